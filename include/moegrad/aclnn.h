@@ -1,0 +1,178 @@
+/* moegrad C API: the aclnn two-stage interface of the CANN MoE operators.
+ *
+ * Code written against aclnn compiles against this header by changing the include and the link
+ * line. Every operator has two calls:
+ *   aclnnXxxGetWorkspaceSize(inputs..., attributes..., outputs..., &workspaceSize, &executor)
+ *     validates every argument (shapes, dtypes, attributes, host index values), plans the
+ *     kernel and creates the executor. On failure it returns a status code, writes nothing to
+ *     any output tensor and creates no executor; aclGetRecentErrMsg() names the argument, the
+ *     rule and the value seen.
+ *   aclnnXxx(workspace, workspaceSize, executor, stream)
+ *     only runs the plan. `stream` is a cudaStream_t for device tensors, ignored on the CPU.
+ *
+ * Executor lifetime (as in aclnn): stage two consumes the executor and frees it, unless
+ * aclSetAclOpExecutorRepeatable() was called, in which case it may run any number of times
+ * and must be freed with aclDestroyAclOpExecutor(). Calling stage two with an executor that was
+ * consumed or destroyed returns ACLNN_ERR_PARAM_INVALID (executors are tracked, so this is
+ * detected, not undefined). An executor never run leaks until aclDestroyAclOpExecutor().
+ * Executors hold the tensors' data pointers, not the aclTensor handles: handles may be
+ * destroyed after stage one; the memory they describe must live until stage two returns.
+ *
+ * Status codes (spec/decisions.md D18): 161001 null required tensor, 161002 dtype / format /
+ * value invalid, 561002 gating-forward and SwiGLU shape or attribute error, 561103 finalize
+ * routing shape or value error, 561000 internal error (e.g. out of memory).
+ * Tensors must be contiguous (D19). All calls are thread-safe; the error message is per thread.
+ */
+#ifndef MOEGRAD_ACLNN_H_
+#define MOEGRAD_ACLNN_H_
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define MOEGRAD_C_API __declspec(dllexport)
+#else
+#define MOEGRAD_C_API __attribute__((visibility("default")))
+#endif
+
+typedef int32_t aclnnStatus;
+typedef void* aclrtStream;
+
+#define ACLNN_SUCCESS 0
+#define ACLNN_ERR_PARAM_NULLPTR 161001
+#define ACLNN_ERR_PARAM_INVALID 161002
+#define ACLNN_ERR_INNER 561000
+#define ACLNN_ERR_INNER_TILING_ERROR 561002
+#define ACLNN_ERR_INNER_NULLPTR 561103
+
+typedef enum {
+  ACL_DT_UNDEFINED = -1,
+  ACL_FLOAT = 0,
+  ACL_FLOAT16 = 1,
+  ACL_INT8 = 2,
+  ACL_INT32 = 3,
+  ACL_UINT8 = 4,
+  ACL_INT16 = 6,
+  ACL_UINT16 = 7,
+  ACL_UINT32 = 8,
+  ACL_INT64 = 9,
+  ACL_UINT64 = 10,
+  ACL_DOUBLE = 11,
+  ACL_BOOL = 12,
+  ACL_STRING = 13,
+  ACL_COMPLEX64 = 16,
+  ACL_COMPLEX128 = 17,
+  ACL_BF16 = 27
+} aclDataType;
+
+typedef enum {
+  ACL_FORMAT_UNDEFINED = -1,
+  ACL_FORMAT_NCHW = 0,
+  ACL_FORMAT_NHWC = 1,
+  ACL_FORMAT_ND = 2,
+  ACL_FORMAT_NC1HWC0 = 3,
+  ACL_FORMAT_FRACTAL_Z = 4,
+  ACL_FORMAT_FRACTAL_NZ = 29,
+  ACL_FORMAT_NCDHW = 30,
+  ACL_FORMAT_NDHWC = 27
+} aclFormat;
+
+typedef struct aclTensor aclTensor;
+typedef struct aclOpExecutor aclOpExecutor;
+
+/* A tensor handle over caller memory (host memory; device memory in CUDA builds, detected from
+ * the pointer). viewDims/stride describe the view in elements; offset is in elements from
+ * tensorData; format must be ND (or NCHW/NHWC/NCDHW/NDHWC, all treated as ND); storageDims are
+ * accepted and ignored beyond a size check. Returns NULL on invalid arguments (reason in
+ * aclGetRecentErrMsg()). Up to 8 dims. */
+MOEGRAD_C_API aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum,
+                                         aclDataType dataType, const int64_t* stride,
+                                         int64_t offset, aclFormat format,
+                                         const int64_t* storageDims, uint64_t storageDimsNum,
+                                         void* tensorData);
+MOEGRAD_C_API aclnnStatus aclDestroyTensor(const aclTensor* tensor);
+
+MOEGRAD_C_API aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor);
+MOEGRAD_C_API aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor);
+
+/* The message of the last failed call on this thread ("" after a successful call). The
+ * pointer stays valid until the next moegrad call on the same thread. */
+MOEGRAD_C_API const char* aclGetRecentErrMsg(void);
+
+/* CPU threads used by the kernels; n <= 0 restores the default. Results never depend on it. */
+MOEGRAD_C_API void moegradSetNumThreads(int n);
+MOEGRAD_C_API int moegradGetNumThreads(void);
+MOEGRAD_C_API const char* moegradVersion(void);
+
+/* ---- MoeGatingTopK (spec §2). x [M,N] fp32/fp16/bf16, biasOptional [N] (selection only),
+ * yOut [M,k] x dtype, expertIdxOut [M,k] int32, outOut [M,N] fp32 (zeros unless outFlag). */
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKGetWorkspaceSize(
+    const aclTensor* x, const aclTensor* biasOptional, int64_t k, int64_t kGroup,
+    int64_t groupCount, int64_t groupSelectMode, int64_t renorm, int64_t normType, bool outFlag,
+    double routedScalingFactor, double eps, const aclTensor* yOut, const aclTensor* expertIdxOut,
+    const aclTensor* outOut, uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopK(void* workspace, uint64_t workspaceSize,
+                                             aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- MoeGatingTopKBackward (spec §1). xNorm [M,N] fp32, gradY [M,K] fp32/fp16/bf16,
+ * expertIdx [M,K] int32, normType must be 1, out [M,N] gradY dtype. Errors: 161001 / 161002. */
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
+    const aclTensor* xNorm, const aclTensor* gradY, const aclTensor* expertIdx, int64_t renorm,
+    int64_t normType, double routedScalingFactor, double eps, const aclTensor* out,
+    uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackward(void* workspace, uint64_t workspaceSize,
+                                                     aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- MoeFinalizeRoutingV2 (spec §4). expandedX (R*K,H) modes 0/2 or (E,C,H) modes 1/3,
+ * expandedRowIdx (R*K) int32, x1/x2 (R,H), bias (E,H), scales (R,K), expertIdx (R,K) int32,
+ * out (R,H). dropPadMode 0/1 column layout (k*R + r), 2/3 row layout (r*K + k). */
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2GetWorkspaceSize(
+    const aclTensor* expandedX, const aclTensor* expandedRowIdx, const aclTensor* x1Optional,
+    const aclTensor* x2Optional, const aclTensor* biasOptional, const aclTensor* scalesOptional,
+    const aclTensor* expertIdxOptional, int64_t dropPadMode, const aclTensor* out,
+    uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2(void* workspace, uint64_t workspaceSize,
+                                                    aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- MoeFinalizeRoutingV2Grad (spec §3). Row layout (r*K + k). gradExpandedXOut (rows,H) in
+ * mode 0 (rows = activeNum if 0 < activeNum < R*K else R*K) or (E,C,H) in mode 1;
+ * gradScalesOut (R,K) scales dtype, or (R,1) gradY dtype and zeros without scales. */
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2GradGetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* expandedRowIdx, const aclTensor* expandedXOptional,
+    const aclTensor* scalesOptional, const aclTensor* expertIdxOptional,
+    const aclTensor* biasOptional, int64_t dropPadMode, int64_t activeNum, int64_t expertNum,
+    int64_t expertCapacity, const aclTensor* gradExpandedXOut, const aclTensor* gradScalesOut,
+    uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2Grad(void* workspace, uint64_t workspaceSize,
+                                                        aclOpExecutor* executor,
+                                                        aclrtStream stream);
+
+/* ---- SwigluGroupQuantGrad (spec §5). gradY [...,H], x [...,2H] (fp32/fp16/bf16, same dtype),
+ * weightOptional fp32 numel T (requires yOriginOptional, the UNWEIGHTED activation), groupIndex
+ * [G] int64, clampLimit -1 or > 0, gradXOut like x, gradWeightOutOptional like weight (NULL:
+ * not computed). */
+MOEGRAD_C_API aclnnStatus aclnnSwigluGroupQuantGradGetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* x, const aclTensor* weightOptional,
+    const aclTensor* yOriginOptional, const aclTensor* groupIndexOptional, double clampLimit,
+    const aclTensor* gradXOut, const aclTensor* gradWeightOutOptional, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnSwigluGroupQuantGrad(void* workspace, uint64_t workspaceSize,
+                                                    aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- SwigluGroup forward (moegrad extension, docs/decisions.md L9): y = silu(x0')·x1'·weight,
+ * rows at or past sum(groupIndex) zero. x [...,2H], yOut [...,H] x dtype. */
+MOEGRAD_C_API aclnnStatus aclnnSwigluGroupGetWorkspaceSize(
+    const aclTensor* x, const aclTensor* weightOptional, const aclTensor* groupIndexOptional,
+    double clampLimit, const aclTensor* yOut, uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnSwigluGroup(void* workspace, uint64_t workspaceSize,
+                                           aclOpExecutor* executor, aclrtStream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOEGRAD_ACLNN_H_ */

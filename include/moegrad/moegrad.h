@@ -1,0 +1,207 @@
+// moegrad C++ API: fused Mixture-of-Experts training operators, forward and backward.
+//
+// Every operator has two stages, like aclnn (spec/operators.md §0.2):
+//   plan_<op>(...)   validates every argument, infers shapes and returns an Executor;
+//   Executor::run()  only computes. Nothing is written to any output when planning fails.
+// Tensors are non-owning views (TensorView); optional tensors are passed as nullptr.
+// Errors are thrown as moegrad::Error carrying a status code (spec/decisions.md D18):
+//   161001 a required tensor is null, 161002 dtype/format/value invalid,
+//   561002 gating-forward / SwiGLU shape or attribute error, 561103 finalize-routing shape/value.
+// The C API (aclnn.h) and the Python module are thin layers over these functions.
+#ifndef MOEGRAD_MOEGRAD_H_
+#define MOEGRAD_MOEGRAD_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(_WIN32)
+#define MOEGRAD_API __declspec(dllexport)
+#else
+#define MOEGRAD_API __attribute__((visibility("default")))
+#endif
+
+namespace moegrad {
+
+// Status codes (spec/operators.md §0.3, decisions.md D18).
+enum Status : int32_t {
+  kSuccess = 0,
+  kErrNullptr = 161001,       // ACLNN_ERR_PARAM_NULLPTR
+  kErrParamInvalid = 161002,  // ACLNN_ERR_PARAM_INVALID
+  kErrTiling = 561002,        // ACLNN_ERR_INNER_TILING_ERROR
+  kErrInnerNullptr = 561103,  // ACLNN_ERR_INNER_NULLPTR (finalize routing shape/value errors)
+};
+
+// The one exception type of the library: a status code and a message that names the operator,
+// the argument, the rule and the value seen.
+class MOEGRAD_API Error : public std::runtime_error {
+ public:
+  Error(int32_t code, const std::string& message);
+  int32_t code() const noexcept { return code_; }
+
+ private:
+  int32_t code_;
+};
+
+// Element types; the values equal aclDataType's.
+enum class DType : int32_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kInt32 = 3,
+  kInt64 = 9,
+  kBFloat16 = 27,
+  kOther = -2,  // any type no operator accepts (reported by name in errors)
+};
+
+enum class Device : int32_t { kCPU = 1, kCUDA = 2 };
+
+constexpr int kMaxDims = 8;
+
+// A non-owning strided view. Strides are in elements. The C API requires contiguous views
+// (D19); the Python front makes inputs contiguous before calling.
+struct MOEGRAD_API TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int32_t ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};
+  Device device = Device::kCPU;
+  int32_t device_id = 0;
+
+  int64_t numel() const;
+  bool is_contiguous() const;
+  // A contiguous view of `shape` (rank <= kMaxDims) over `data`.
+  static TensorView contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
+                               Device device = Device::kCPU, int32_t device_id = 0);
+};
+
+// A planned operator call (stage two). Runs on the CPU or, for CUDA views, on `stream`.
+class MOEGRAD_API Executor {
+ public:
+  virtual ~Executor();
+  virtual uint64_t workspace_size() const = 0;
+  // Throws Error(161002) if workspace_size() > 0 and `workspace` is null or too small.
+  virtual void run(void* workspace, uint64_t workspace_bytes, void* stream) = 0;
+};
+
+using ExecutorPtr = std::unique_ptr<Executor>;
+using Shape = std::vector<int64_t>;
+
+// ---- Gating top-k (spec §2; decisions D2, D12, D13; docs/decisions.md L1-L3) ----
+struct GatingTopKAttrs {
+  int64_t k = 1;                  // experts per token, 1 <= k <= N
+  int64_t k_group = 1;            // groups kept, 1 <= k_group <= group_count
+  int64_t group_count = 1;        // groups, divides N
+  int64_t group_select_mode = 0;  // 0: group max, 1: sum of the group's top two
+  int64_t renorm = 0;             // softmax only: 1 renormalises the k weights
+  int64_t norm_type = 0;          // 0 softmax, 1 sigmoid, 2 sqrt(softplus)
+  bool out_flag = false;          // write norm_out (else it is zero-filled, L1)
+  double routed_scaling_factor = 1.0;
+  double eps = 1e-20;
+};
+// x [M,N] fp32/fp16/bf16; bias [N] x.dtype (selection only) or null;
+// y [M,k] x.dtype; expert_idx [M,k] int32; norm_out [M,N] fp32. Shape errors: 561002.
+MOEGRAD_API ExecutorPtr plan_moe_gating_top_k(const TensorView* x, const TensorView* bias,
+                                              const GatingTopKAttrs& attrs, const TensorView* y,
+                                              const TensorView* expert_idx,
+                                              const TensorView* norm_out);
+// Shapes of (y, expert_idx, norm_out) after validating inputs and attributes.
+MOEGRAD_API std::vector<Shape> infer_moe_gating_top_k(const TensorView* x, const TensorView* bias,
+                                                      const GatingTopKAttrs& attrs);
+
+// ---- Gating top-k backward (spec §1; D1, D2, D3, D15) ----
+struct GatingTopKBackwardAttrs {
+  int64_t renorm = 0;     // reserved, ignored
+  int64_t norm_type = 1;  // must be 1 (sigmoid)
+  double routed_scaling_factor = 1.0;
+  double eps = 1e-20;
+};
+// x_norm [M,N] fp32 (2 <= N <= 2048); grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K] int32 in
+// [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
+MOEGRAD_API ExecutorPtr plan_moe_gating_top_k_backward(const TensorView* x_norm,
+                                                       const TensorView* grad_y,
+                                                       const TensorView* expert_idx,
+                                                       const GatingTopKBackwardAttrs& attrs,
+                                                       const TensorView* grad_x);
+MOEGRAD_API std::vector<Shape> infer_moe_gating_top_k_backward(
+    const TensorView* x_norm, const TensorView* grad_y, const TensorView* expert_idx,
+    const GatingTopKBackwardAttrs& attrs);
+
+// ---- Finalize routing V2 forward (spec §4; D6, D7, D8; L4, L5) ----
+struct FinalizeRoutingAttrs {
+  int64_t drop_pad_mode = 0;  // 0/2 dropless, 1/3 drop-pad; 0/1 column layout, 2/3 row layout
+};
+// expanded_x (R*K,H) or (E,C,H); expanded_row_idx (R*K) int32; x1, x2 (R,H); bias (E,H);
+// scales (R,K); expert_idx (R,K) int32; out (R,H) expanded_x.dtype. Shape/value errors: 561103.
+MOEGRAD_API ExecutorPtr plan_moe_finalize_routing(
+    const TensorView* expanded_x, const TensorView* expanded_row_idx, const TensorView* x1,
+    const TensorView* x2, const TensorView* bias, const TensorView* scales,
+    const TensorView* expert_idx, const FinalizeRoutingAttrs& attrs, const TensorView* out);
+// Output shape (R,H); R = rows of scales / expert_idx / x1 if given, else numel(idx) / k.
+MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing(
+    const TensorView* expanded_x, const TensorView* expanded_row_idx, const TensorView* x1,
+    const TensorView* x2, const TensorView* bias, const TensorView* scales,
+    const TensorView* expert_idx, const FinalizeRoutingAttrs& attrs, int64_t k);
+
+// ---- Finalize routing V2 grad (spec §3; D4, D5, D6, D7; L6) ----
+struct FinalizeRoutingGradAttrs {
+  int64_t drop_pad_mode = 0;  // 0 dropless, 1 drop-pad (row layout r*K + k)
+  int64_t active_num = 0;     // mode 0: 0 < active_num < R*K truncates the expanded rows
+  int64_t expert_num = 0;     // mode 1: E > 0
+  int64_t expert_capacity = 0;  // mode 1: C > 0
+};
+// grad_y (R,H); expanded_row_idx (R*K) int32; expanded_x (rows,H) or (E,C,H) (required with
+// scales); scales (R,K); expert_idx (R,K) int32 (required with bias); bias (E,H);
+// grad_expanded_x like expanded_x; grad_scales (R,K) scales.dtype or (R,1) grad_y.dtype.
+MOEGRAD_API ExecutorPtr plan_moe_finalize_routing_grad(
+    const TensorView* grad_y, const TensorView* expanded_row_idx, const TensorView* expanded_x,
+    const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
+    const FinalizeRoutingGradAttrs& attrs, const TensorView* grad_expanded_x,
+    const TensorView* grad_scales);
+MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_grad(
+    const TensorView* grad_y, const TensorView* expanded_row_idx, const TensorView* expanded_x,
+    const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
+    const FinalizeRoutingGradAttrs& attrs);
+
+// ---- SwiGLU forward with weight / clamp / group_index (spec §5.5, §6.4; D9, D11; L8, L9) ----
+struct SwigluAttrs {
+  double clamp_limit = -1.0;  // -1 (off) or > 0
+};
+// x [...,2H] fp32/fp16/bf16; weight fp32 with numel T (product of leading dims) or null;
+// group_index [G] int64 or null; y [...,H] x.dtype. Shape/attribute errors: 561002.
+MOEGRAD_API ExecutorPtr plan_swiglu_group(const TensorView* x, const TensorView* weight,
+                                          const TensorView* group_index,
+                                          const SwigluAttrs& attrs, const TensorView* y);
+MOEGRAD_API std::vector<Shape> infer_swiglu_group(const TensorView* x, const TensorView* weight,
+                                                  const TensorView* group_index,
+                                                  const SwigluAttrs& attrs);
+
+// ---- SwiGLU backward = SwigluGroupQuantGrad (spec §5; D9, D10, D11; L7, L8) ----
+// grad_y [...,H]; x [...,2H]; weight fp32 numel T (needs y_origin); y_origin like grad_y (the
+// UNWEIGHTED activation, D10); group_index [G] int64; grad_x like x; grad_weight like weight
+// (fp32) or null to skip it.
+MOEGRAD_API ExecutorPtr plan_swiglu_group_quant_grad(const TensorView* grad_y, const TensorView* x,
+                                                     const TensorView* weight,
+                                                     const TensorView* y_origin,
+                                                     const TensorView* group_index,
+                                                     const SwigluAttrs& attrs,
+                                                     const TensorView* grad_x,
+                                                     const TensorView* grad_weight);
+MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant_grad(
+    const TensorView* grad_y, const TensorView* x, const TensorView* weight,
+    const TensorView* y_origin, const TensorView* group_index, const SwigluAttrs& attrs);
+
+// ---- Threads (CPU) ----
+// n <= 0 restores the default (OpenMP's). Results never depend on the thread count (D16).
+MOEGRAD_API void set_num_threads(int n);
+MOEGRAD_API int get_num_threads();
+
+// Runs a planned executor with a workspace it allocates itself (CPU convenience).
+MOEGRAD_API void run_now(Executor& executor);
+
+}  // namespace moegrad
+
+#endif  // MOEGRAD_MOEGRAD_H_

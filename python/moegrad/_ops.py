@@ -1,0 +1,303 @@
+"""torch.library registration of the moegrad operators: custom ops, fake kernels, autograd.
+
+Each op validates through the C++ library (one place per operator), allocates its outputs with
+torch on the input's device and runs the native kernel. Spec: ../shared/spec/api.md, §7.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._errors import (ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError)
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _index32(t: Optional[Tensor], op: str, name: str, code: int) -> Optional[Tensor]:
+    """int64 index tensors are accepted (D20) and narrowed to int32 after a range check."""
+    if t is None:
+        return None
+    if t.dtype == torch.int64:
+        if t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < _INT32_MIN or hi > _INT32_MAX:
+                bad = lo if lo < _INT32_MIN else hi
+                raise MoeError(f"{op}: {name}: int64 values must fit in int32; got {bad}", code)
+        t = t.to(torch.int32)
+    return t.contiguous()
+
+
+def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gating top-k (spec §1, §2)
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("moegrad::moe_gating_top_k", mutates_args=())
+def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: int = 1,
+                     group_count: int = 1, group_select_mode: int = 0, renorm: int = 0,
+                     norm_type: int = 0, out_flag: bool = False,
+                     routed_scaling_factor: float = 1.0,
+                     eps: float = 1e-20) -> Tuple[Tensor, Tensor, Tensor]:
+    x, bias = x.contiguous(), _contig(bias)
+    attrs = (k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag,
+             routed_scaling_factor, eps)
+    sy, si, sn = _C.infer_moe_gating_top_k(x, bias, *attrs)
+    y = _empty(sy, x.dtype, x)
+    idx = _empty(si, torch.int32, x)
+    norm = _empty(sn, torch.float32, x)
+    _C.moe_gating_top_k(x, bias, *attrs, y, idx, norm)
+    return y, idx, norm
+
+
+@moe_gating_top_k.register_fake
+def _(x, k, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+      out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+    m, n = x.shape[0], x.shape[1]
+    return (x.new_empty((m, k)), x.new_empty((m, k), dtype=torch.int32),
+            x.new_empty((m, n), dtype=torch.float32))
+
+
+@torch.library.custom_op("moegrad::moe_gating_top_k_backward", mutates_args=())
+def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
+                              renorm: int = 0, norm_type: int = 1,
+                              routed_scaling_factor: float = 1.0, eps: float = 1e-20) -> Tensor:
+    op = "moe_gating_top_k_backward"
+    x_norm, grad_y = x_norm.contiguous(), grad_y.contiguous()
+    expert_idx = _index32(expert_idx, op, "expert_idx", ERR_PARAM_INVALID)
+    attrs = (renorm, norm_type, routed_scaling_factor, eps)
+    (sx,) = _C.infer_moe_gating_top_k_backward(x_norm, grad_y, expert_idx, *attrs)
+    grad_x = _empty(sx, grad_y.dtype, grad_y)
+    _C.moe_gating_top_k_backward(x_norm, grad_y, expert_idx, *attrs, grad_x)
+    return grad_x
+
+
+@moe_gating_top_k_backward.register_fake
+def _(x_norm, grad_y, expert_idx, renorm=0, norm_type=1, routed_scaling_factor=1.0, eps=1e-20):
+    return grad_y.new_empty(x_norm.shape)
+
+
+def _gating_setup(ctx, inputs, output):
+    x, _k, _bias, _kg, _gc, _gsm, renorm, norm_type, out_flag, rsf, eps = inputs
+    _y, idx, norm = output
+    ctx.save_for_backward(x, idx, norm)
+    ctx.attrs = (renorm, norm_type, out_flag, rsf, eps)
+
+
+def _gating_backward(ctx, grad_y, _grad_idx, grad_norm):
+    renorm, norm_type, out_flag, rsf, eps = ctx.attrs
+    if norm_type != 1:
+        raise NotImplementedError(
+            "moegrad.moe_gating_top_k: the backward supports norm_type=1 (sigmoid) only, like "
+            f"CANN's MoeGatingTopKBackward; got norm_type={norm_type} (softmax / sqrt-softplus "
+            "gradients are tracked separately, decisions.md D21)")
+    x, idx, norm = ctx.saved_tensors
+    x_norm = norm if out_flag else torch.sigmoid(x.float())
+    grad_x = moe_gating_top_k_backward(x_norm, grad_y.contiguous(), idx, renorm, 1, rsf, eps)
+    if out_flag and grad_norm is not None:
+        grad_x = grad_x + (grad_norm * x_norm * (1.0 - x_norm)).to(grad_x.dtype)
+    return (grad_x,) + (None,) * 10
+
+
+moe_gating_top_k.register_autograd(_gating_backward, setup_context=_gating_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finalize routing (spec §3, §4, §7.3)
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("moegrad::moe_finalize_routing", mutates_args=())
+def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
+                         x1: Optional[Tensor] = None, x2: Optional[Tensor] = None,
+                         bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
+                         expert_idx: Optional[Tensor] = None, drop_pad_mode: int = 0,
+                         k: int = 1) -> Tensor:
+    op = "moe_finalize_routing"
+    expanded_x = expanded_x.contiguous()
+    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
+    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    x1, x2, bias, scales = _contig(x1), _contig(x2), _contig(bias), _contig(scales)
+    (so,) = _C.infer_moe_finalize_routing(expanded_x, idx, x1, x2, bias, scales, eidx,
+                                          drop_pad_mode, k)
+    out = _empty(so, expanded_x.dtype, expanded_x)
+    _C.moe_finalize_routing(expanded_x, idx, x1, x2, bias, scales, eidx, drop_pad_mode, out)
+    return out
+
+
+@moe_finalize_routing.register_fake
+def _(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None,
+      drop_pad_mode=0, k=1):
+    if scales is not None:
+        rows = scales.shape[0]
+    elif expert_idx is not None:
+        rows = expert_idx.shape[0]
+    elif x1 is not None:
+        rows = x1.shape[0]
+    else:
+        rows = expanded_row_idx.shape[0] // k
+    hidden = expanded_x.shape[-1]
+    return expanded_x.new_empty((rows, hidden))
+
+
+@torch.library.custom_op("moegrad::moe_finalize_routing_grad", mutates_args=())
+def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
+                              expanded_x: Optional[Tensor] = None,
+                              scales: Optional[Tensor] = None,
+                              expert_idx: Optional[Tensor] = None,
+                              bias: Optional[Tensor] = None, drop_pad_mode: int = 0,
+                              active_num: int = 0, expert_num: int = 0,
+                              expert_capacity: int = 0) -> Tuple[Tensor, Tensor]:
+    op = "moe_finalize_routing_grad"
+    grad_y = grad_y.contiguous()
+    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
+    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    expanded_x, scales, bias = _contig(expanded_x), _contig(scales), _contig(bias)
+    attrs = (drop_pad_mode, active_num, expert_num, expert_capacity)
+    sx, ss = _C.infer_moe_finalize_routing_grad(grad_y, idx, expanded_x, scales, eidx, bias,
+                                                *attrs)
+    gex = _empty(sx, grad_y.dtype, grad_y)
+    gs = _empty(ss, scales.dtype if scales is not None else grad_y.dtype, grad_y)
+    _C.moe_finalize_routing_grad(grad_y, idx, expanded_x, scales, eidx, bias, *attrs, gex, gs)
+    return gex, gs
+
+
+@moe_finalize_routing_grad.register_fake
+def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, bias=None,
+      drop_pad_mode=0, active_num=0, expert_num=0, expert_capacity=0):
+    r, h = grad_y.shape[0], grad_y.shape[1]
+    n = expanded_row_idx.shape[0]
+    if drop_pad_mode == 1:
+        gex = grad_y.new_empty((expert_num, expert_capacity, h))
+    else:
+        rows = active_num if 0 < active_num < n else n
+        gex = grad_y.new_empty((rows, h))
+    if scales is not None:
+        gs = scales.new_empty((r, scales.shape[1]))
+    else:
+        gs = grad_y.new_empty((r, 1))
+    return gex, gs
+
+
+def _present(t: Optional[Tensor]) -> bool:
+    return t is not None and t.numel() > 0
+
+
+def _finalize_setup(ctx, inputs, output):
+    expanded_x, idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, k = inputs
+    ctx.mode = 0 if drop_pad_mode is None else drop_pad_mode
+    ctx.k = 1 if k is None else k
+    ctx.has_scales = _present(scales)
+    ctx.has_bias = _present(bias)
+    ctx.save_for_backward(expanded_x, idx, scales if ctx.has_scales else None,
+                          bias if ctx.has_bias else None, expert_idx)
+
+
+def _finalize_backward(ctx, grad_out):
+    if ctx.mode not in (0, 1):
+        raise NotImplementedError(
+            "moegrad.moe_finalize_routing: backward supports drop_pad_mode 0 and 1 (column "
+            f"layout) like CANN's autograd (spec §7.3); got drop_pad_mode={ctx.mode}")
+    needs = ctx.needs_input_grad
+    if needs[2] or needs[3] or needs[4]:
+        warnings.warn("moegrad.moe_finalize_routing: gradients of x1, x2 and bias are not "
+                      "computed (returned as None, spec §7.3); add residuals outside the op",
+                      stacklevel=2)
+    nones = [None] * 9
+    want_x, want_s = needs[0], ctx.has_scales and needs[5]
+    if not (want_x or want_s):
+        return tuple(nones)
+    expanded_x, idx, scales, bias, expert_idx = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    rows = grad_out.shape[0]
+    top_k = scales.shape[1] if ctx.has_scales else ctx.k
+    # Column layout (k*R + r) of the forward to the row layout (r*K + k) of the grad op.
+    if top_k > 1:
+        idx = idx.reshape(top_k, rows).t().contiguous().reshape(-1)
+    if not ctx.has_scales and top_k > 1:
+        scales = torch.ones((rows, top_k), dtype=grad_out.dtype, device=grad_out.device)
+    if ctx.mode == 1:
+        active_num, expert_num, capacity = 0, expanded_x.shape[0], expanded_x.shape[1]
+    else:
+        active_num, expert_num, capacity = expanded_x.shape[0], 0, 0
+    gex, gs = moe_finalize_routing_grad(grad_out, idx, expanded_x, scales, expert_idx,
+                                        bias if scales is not None else None, ctx.mode,
+                                        active_num, expert_num, capacity)
+    nones[0] = gex if want_x else None
+    nones[5] = gs if want_s else None
+    return tuple(nones)
+
+
+moe_finalize_routing.register_autograd(_finalize_backward, setup_context=_finalize_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU (spec §5, §6.4)
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("moegrad::swiglu_group", mutates_args=())
+def swiglu_group(x: Tensor, weight: Optional[Tensor] = None,
+                 group_index: Optional[Tensor] = None, clamp_limit: float = -1.0) -> Tensor:
+    x, weight, group_index = x.contiguous(), _contig(weight), _contig(group_index)
+    (sy,) = _C.infer_swiglu_group(x, weight, group_index, clamp_limit)
+    y = _empty(sy, x.dtype, x)
+    _C.swiglu_group(x, weight, group_index, clamp_limit, y)
+    return y
+
+
+@swiglu_group.register_fake
+def _(x, weight=None, group_index=None, clamp_limit=-1.0):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("moegrad::swiglu_group_quant_backward", mutates_args=())
+def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor] = None,
+                                y_origin: Optional[Tensor] = None,
+                                group_index: Optional[Tensor] = None,
+                                clamp_limit: float = -1.0) -> Tuple[Tensor, Tensor]:
+    grad_y, x = grad_y.contiguous(), x.contiguous()
+    weight, y_origin, group_index = _contig(weight), _contig(y_origin), _contig(group_index)
+    sx, sw = _C.infer_swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index,
+                                                  clamp_limit)
+    grad_x = _empty(sx, x.dtype, x)
+    grad_w = _empty(sw, torch.float32, x)
+    _C.swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index, clamp_limit,
+                                   grad_x, grad_w if weight is not None else None)
+    return grad_x, grad_w
+
+
+@swiglu_group_quant_backward.register_fake
+def _(grad_y, x, weight=None, y_origin=None, group_index=None, clamp_limit=-1.0):
+    gw_shape = weight.shape if weight is not None else (0,)
+    return x.new_empty(x.shape), x.new_empty(gw_shape, dtype=torch.float32)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, weight, group_index, clamp_limit = inputs
+    ctx.clamp_limit = clamp_limit
+    ctx.save_for_backward(x, weight, group_index)
+
+
+def _swiglu_backward(ctx, grad_y):
+    x, weight, group_index = ctx.saved_tensors
+    y_origin = None
+    if weight is not None:
+        if ctx.needs_input_grad[1]:
+            # The backward needs the UNWEIGHTED activation (D10): recompute it.
+            y_origin = swiglu_group(x, None, group_index, ctx.clamp_limit)
+        else:
+            # grad_weight is discarded; any tensor of grad_y's shape satisfies the contract.
+            y_origin = grad_y
+    grad_x, grad_w = swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index,
+                                                 ctx.clamp_limit)
+    want_w = weight is not None and ctx.needs_input_grad[1]
+    return grad_x, (grad_w.to(weight.dtype) if want_w else None), None, None
+
+
+swiglu_group.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)

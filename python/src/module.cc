@@ -1,0 +1,195 @@
+// moegrad._C: the nanobind module. Wraps the C++ API only; tensors arrive through DLPack (any
+// framework), absent optionals are None. Errors become moegrad.MoeError (see __init__.py).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+
+#include <vector>
+
+#include "moegrad/moegrad.h"
+
+namespace nb = nanobind;
+using namespace moegrad;
+
+namespace {
+
+PyObject* g_error_class = nullptr;  // moegrad.MoeError, registered at import
+
+using Opt = std::optional<nb::ndarray<>>;  // None: an absent (or null) tensor
+
+DType dtype_from_dlpack(const nb::dlpack::dtype& t) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(t.code);
+  if (t.lanes != 1) return DType::kOther;
+  if (code == C::Float && t.bits == 32) return DType::kFloat32;
+  if (code == C::Float && t.bits == 16) return DType::kFloat16;
+  if (code == C::Bfloat && t.bits == 16) return DType::kBFloat16;
+  if (code == C::Int && t.bits == 32) return DType::kInt32;
+  if (code == C::Int && t.bits == 64) return DType::kInt64;
+  return DType::kOther;
+}
+
+// Turns the call's arrays (alive for the duration of the call) into views.
+class Args {
+ public:
+  const TensorView* operator()(const Opt& h) {
+    if (!h) return nullptr;
+    const nb::ndarray<>& a = *h;
+    if (a.ndim() > static_cast<size_t>(kMaxDims)) {
+      throw Error(kErrParamInvalid, "tensor: rank must be at most 8");
+    }
+    TensorView v;
+    v.data = a.data();
+    v.dtype = dtype_from_dlpack(a.dtype());
+    v.ndim = static_cast<int32_t>(a.ndim());
+    for (int i = 0; i < v.ndim; ++i) {
+      v.shape[i] = static_cast<int64_t>(a.shape(i));
+      v.strides[i] = static_cast<int64_t>(a.stride(i));
+    }
+    v.device = a.device_type() == nb::device::cuda::value ? Device::kCUDA : Device::kCPU;
+    v.device_id = a.device_id();
+    views_.push_back(v);
+    return &views_.back();
+  }
+  Args() {
+    views_.reserve(16);  // pointers into views_ must stay valid
+  }
+
+ private:
+  std::vector<TensorView> views_;
+};
+
+void run(ExecutorPtr e) {
+  nb::gil_scoped_release release;
+  run_now(*e);
+}
+
+using Shapes = std::vector<Shape>;
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "moegrad native module: validation, shape inference and CPU kernels.";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      if (g_error_class == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return;
+      }
+      PyObject* args = Py_BuildValue("(si)", e.what(), static_cast<int>(e.code()));
+      PyErr_SetObject(g_error_class, args);
+      Py_XDECREF(args);
+    }
+  });
+
+  m.def("_set_error_class", [](nb::object cls) {
+    Py_XINCREF(cls.ptr());
+    g_error_class = cls.ptr();
+  });
+  m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  m.def("get_num_threads", &get_num_threads);
+
+  // ---- gating top-k ----
+  m.def("moe_gating_top_k",
+        [](const Opt& x, const Opt& bias, int64_t k, int64_t k_group, int64_t group_count,
+           int64_t group_select_mode, int64_t renorm, int64_t norm_type, bool out_flag,
+           double rsf, double eps, const Opt& y, const Opt& expert_idx, const Opt& norm_out) {
+          Args a;
+          GatingTopKAttrs at{k, k_group, group_count, group_select_mode, renorm, norm_type,
+                             out_flag, rsf, eps};
+          run(plan_moe_gating_top_k(a(x), a(bias), at, a(y), a(expert_idx), a(norm_out)));
+        });
+  m.def("infer_moe_gating_top_k",
+        [](const Opt& x, const Opt& bias, int64_t k, int64_t k_group, int64_t group_count,
+           int64_t group_select_mode, int64_t renorm, int64_t norm_type, bool out_flag,
+           double rsf, double eps) -> Shapes {
+          Args a;
+          GatingTopKAttrs at{k, k_group, group_count, group_select_mode, renorm, norm_type,
+                             out_flag, rsf, eps};
+          return infer_moe_gating_top_k(a(x), a(bias), at);
+        });
+  m.def("moe_gating_top_k_backward",
+        [](const Opt& x_norm, const Opt& grad_y, const Opt& expert_idx, int64_t renorm,
+           int64_t norm_type, double rsf, double eps, const Opt& grad_x) {
+          Args a;
+          GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps};
+          run(plan_moe_gating_top_k_backward(a(x_norm), a(grad_y), a(expert_idx), at,
+                                             a(grad_x)));
+        });
+  m.def("infer_moe_gating_top_k_backward",
+        [](const Opt& x_norm, const Opt& grad_y, const Opt& expert_idx, int64_t renorm,
+           int64_t norm_type, double rsf, double eps) -> Shapes {
+          Args a;
+          GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps};
+          return infer_moe_gating_top_k_backward(a(x_norm), a(grad_y), a(expert_idx), at);
+        });
+
+  // ---- finalize routing ----
+  m.def("moe_finalize_routing",
+        [](const Opt& ex, const Opt& idx, const Opt& x1, const Opt& x2, const Opt& bias,
+           const Opt& scales, const Opt& eidx, int64_t mode, const Opt& out) {
+          Args a;
+          run(plan_moe_finalize_routing(a(ex), a(idx), a(x1), a(x2), a(bias), a(scales),
+                                        a(eidx), FinalizeRoutingAttrs{mode}, a(out)));
+        });
+  m.def("infer_moe_finalize_routing",
+        [](const Opt& ex, const Opt& idx, const Opt& x1, const Opt& x2, const Opt& bias,
+           const Opt& scales, const Opt& eidx, int64_t mode, int64_t k) -> Shapes {
+          Args a;
+          return infer_moe_finalize_routing(a(ex), a(idx), a(x1), a(x2), a(bias), a(scales),
+                                            a(eidx), FinalizeRoutingAttrs{mode}, k);
+        });
+  m.def("moe_finalize_routing_grad",
+        [](const Opt& gy, const Opt& idx, const Opt& ex, const Opt& scales, const Opt& eidx,
+           const Opt& bias, int64_t mode, int64_t active_num, int64_t expert_num,
+           int64_t expert_capacity, const Opt& gex, const Opt& gs) {
+          Args a;
+          FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity};
+          run(plan_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales), a(eidx), a(bias),
+                                             at, a(gex), a(gs)));
+        });
+  m.def("infer_moe_finalize_routing_grad",
+        [](const Opt& gy, const Opt& idx, const Opt& ex, const Opt& scales, const Opt& eidx,
+           const Opt& bias, int64_t mode, int64_t active_num, int64_t expert_num,
+           int64_t expert_capacity) -> Shapes {
+          Args a;
+          FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity};
+          return infer_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales), a(eidx),
+                                                 a(bias), at);
+        });
+
+  // ---- SwiGLU ----
+  m.def("swiglu_group",
+        [](const Opt& x, const Opt& weight, const Opt& group_index, double clamp_limit,
+           const Opt& y) {
+          Args a;
+          run(plan_swiglu_group(a(x), a(weight), a(group_index), SwigluAttrs{clamp_limit},
+                                a(y)));
+        });
+  m.def("infer_swiglu_group",
+        [](const Opt& x, const Opt& weight, const Opt& group_index,
+           double clamp_limit) -> Shapes {
+          Args a;
+          return infer_swiglu_group(a(x), a(weight), a(group_index), SwigluAttrs{clamp_limit});
+        });
+  m.def("swiglu_group_quant_backward",
+        [](const Opt& gy, const Opt& x, const Opt& weight, const Opt& y_origin,
+           const Opt& group_index, double clamp_limit, const Opt& gx, const Opt& gw) {
+          Args a;
+          run(plan_swiglu_group_quant_grad(a(gy), a(x), a(weight), a(y_origin), a(group_index),
+                                           SwigluAttrs{clamp_limit}, a(gx), a(gw)));
+        });
+  m.def("infer_swiglu_group_quant_backward",
+        [](const Opt& gy, const Opt& x, const Opt& weight, const Opt& y_origin,
+           const Opt& group_index, double clamp_limit) -> Shapes {
+          Args a;
+          return infer_swiglu_group_quant_grad(a(gy), a(x), a(weight), a(y_origin),
+                                               a(group_index), SwigluAttrs{clamp_limit});
+        });
+}

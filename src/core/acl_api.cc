@@ -1,0 +1,175 @@
+// Tensor handles, executor registry and error slot of the C API.
+#include "core/acl_api.h"
+
+#include <mutex>
+#include <string>
+#include <unordered_set>
+
+#include "core/check.h"
+
+struct aclOpExecutor {
+  moegrad::ExecutorPtr impl;
+  bool repeatable = false;
+};
+
+namespace moegrad {
+
+namespace {
+
+thread_local std::string t_last_error;
+
+std::mutex g_registry_mutex;
+std::unordered_set<aclOpExecutor*>& registry() {
+  static auto* r = new std::unordered_set<aclOpExecutor*>();  // never destroyed: no exit races
+  return *r;
+}
+
+bool take_or_check(aclOpExecutor* e, bool take) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  auto it = registry().find(e);
+  if (it == registry().end()) return false;
+  if (take) registry().erase(it);
+  return true;
+}
+
+DType dtype_from_acl(aclDataType t) {
+  switch (t) {
+    case ACL_FLOAT: return DType::kFloat32;
+    case ACL_FLOAT16: return DType::kFloat16;
+    case ACL_BF16: return DType::kBFloat16;
+    case ACL_INT32: return DType::kInt32;
+    case ACL_INT64: return DType::kInt64;
+    default: return DType::kOther;
+  }
+}
+
+int64_t element_size(aclDataType t) {
+  switch (t) {
+    case ACL_INT8: case ACL_UINT8: case ACL_BOOL: return 1;
+    case ACL_FLOAT16: case ACL_BF16: case ACL_INT16: case ACL_UINT16: return 2;
+    case ACL_FLOAT: case ACL_INT32: case ACL_UINT32: return 4;
+    case ACL_INT64: case ACL_UINT64: case ACL_DOUBLE: case ACL_COMPLEX64: return 8;
+    case ACL_COMPLEX128: return 16;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+void set_last_error(const char* message) { t_last_error = message; }
+
+aclOpExecutor* publish_executor(ExecutorPtr executor) {
+  auto* e = new aclOpExecutor{std::move(executor), false};
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  registry().insert(e);
+  return e;
+}
+
+aclnnStatus stage_two(const char* op, void* workspace, uint64_t workspace_size,
+                      aclOpExecutor* executor, void* stream) noexcept {
+  return api_guard([&] {
+    if (executor == nullptr) {
+      throw Error(kErrNullptr, cat(op, ": executor: must not be null; got null"));
+    }
+    if (!take_or_check(executor, false)) {
+      throw Error(kErrParamInvalid, cat(op, ": executor: must come from a GetWorkspaceSize call "
+                                            "and not be consumed or destroyed; got an unknown "
+                                            "executor"));
+    }
+    if (executor->repeatable) {
+      executor->impl->run(workspace, workspace_size, stream);
+      return;
+    }
+    // One-shot: consumed whether or not the run succeeds, as in aclnn.
+    take_or_check(executor, true);
+    std::unique_ptr<aclOpExecutor> owned(executor);
+    owned->impl->run(workspace, workspace_size, stream);
+  });
+}
+
+}  // namespace moegrad
+
+using moegrad::api_guard;
+using moegrad::cat;
+using moegrad::Error;
+
+extern "C" {
+
+aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDataType dataType,
+                           const int64_t* stride, int64_t offset, aclFormat format,
+                           const int64_t* storageDims, uint64_t storageDimsNum,
+                           void* tensorData) {
+  aclTensor* out = nullptr;
+  aclnnStatus st = api_guard([&] {
+    if (viewDimsNum > static_cast<uint64_t>(moegrad::kMaxDims)) {
+      throw Error(moegrad::kErrParamInvalid,
+                  cat("aclCreateTensor: viewDimsNum: must be <= 8; got ", viewDimsNum));
+    }
+    if (viewDimsNum > 0 && viewDims == nullptr) {
+      throw Error(moegrad::kErrNullptr, "aclCreateTensor: viewDims: must not be null; got null");
+    }
+    if (offset < 0) {
+      throw Error(moegrad::kErrParamInvalid, cat("aclCreateTensor: offset: must be >= 0; got ", offset));
+    }
+    (void)format;
+    (void)storageDims;
+    (void)storageDimsNum;
+    auto t = std::make_unique<aclTensor>();
+    moegrad::TensorView& v = t->view;
+    v.dtype = moegrad::dtype_from_acl(dataType);
+    v.ndim = static_cast<int32_t>(viewDimsNum);
+    int64_t expect = 1;
+    for (int i = v.ndim - 1; i >= 0; --i) {
+      if (viewDims[i] < 0) {
+        throw Error(moegrad::kErrParamInvalid,
+                    cat("aclCreateTensor: viewDims: must be >= 0; got ", viewDims[i], " at ", i));
+      }
+      v.shape[i] = viewDims[i];
+      v.strides[i] = stride ? stride[i] : expect;
+      expect *= viewDims[i];
+    }
+    const int64_t esize = moegrad::element_size(dataType);
+    v.data = tensorData ? static_cast<char*>(tensorData) + offset * esize : nullptr;
+    v.device = moegrad::Device::kCPU;
+    out = t.release();
+  });
+  return st == ACLNN_SUCCESS ? out : nullptr;
+}
+
+aclnnStatus aclDestroyTensor(const aclTensor* tensor) {
+  delete tensor;
+  return ACLNN_SUCCESS;
+}
+
+aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
+  return api_guard([&] {
+    if (!moegrad::take_or_check(executor, false)) {
+      throw Error(moegrad::kErrParamInvalid,
+                  "aclSetAclOpExecutorRepeatable: executor: must be a live executor; got an "
+                  "unknown one");
+    }
+    executor->repeatable = true;
+  });
+}
+
+aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor) {
+  return api_guard([&] {
+    if (executor == nullptr) return;
+    if (!moegrad::take_or_check(executor, true)) {
+      throw Error(moegrad::kErrParamInvalid,
+                  "aclDestroyAclOpExecutor: executor: must be a live executor; got an unknown "
+                  "one (already consumed or destroyed)");
+    }
+    delete executor;
+  });
+}
+
+const char* aclGetRecentErrMsg(void) { return moegrad::t_last_error.c_str(); }
+
+void moegradSetNumThreads(int n) { moegrad::set_num_threads(n); }
+
+int moegradGetNumThreads(void) { return moegrad::get_num_threads(); }
+
+const char* moegradVersion(void) { return MOEGRAD_VERSION_STRING; }
+
+}  // extern "C"

@@ -1,0 +1,173 @@
+// Error type, tensor views, validation helpers and threads shared by all operators.
+#include <atomic>
+#include <vector>
+
+#include "core/check.h"
+#include "core/executor.h"
+#include "core/parallel.h"
+#include "moegrad/moegrad.h"
+
+namespace moegrad {
+
+Error::Error(int32_t code, const std::string& message)
+    : std::runtime_error(message), code_(code) {}
+
+Executor::~Executor() = default;
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expect = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
+    // Strides of size-1 dims are irrelevant (PyTorch may report anything there).
+    if (shape[i] != 1 && strides[i] != expect) return numel() == 0;
+    expect *= shape[i];
+  }
+  return true;
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
+                                  Device device, int32_t device_id) {
+  if (shape.size() > static_cast<size_t>(kMaxDims)) {
+    throw Error(kErrParamInvalid, cat("tensor: rank must be at most ", kMaxDims, "; got ",
+                                      shape.size()));
+  }
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = stride;
+    stride *= shape[i];
+  }
+  t.device = device;
+  t.device_id = device_id;
+  return t;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    default: return "an unsupported dtype";
+  }
+}
+
+std::string shape_str(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(t.shape[i]);
+  }
+  return s + "]";
+}
+
+void Validator::fail(int32_t code, const char* arg, const std::string& rule) const {
+  throw Error(code, cat(op_, ": ", arg, ": ", rule));
+}
+
+void Validator::present(const TensorView* t, const char* arg) const {
+  if (t == nullptr || (t->data == nullptr && t->numel() > 0)) {
+    fail(kErrNullptr, arg, "required tensor must not be null; got null");
+  }
+}
+
+void Validator::dtype_in(const TensorView& t, const char* arg,
+                         std::initializer_list<DType> allowed) const {
+  for (DType d : allowed) {
+    if (t.dtype == d) return;
+  }
+  std::string names;
+  for (DType d : allowed) names += names.empty() ? dtype_name(d) : cat(", ", dtype_name(d));
+  fail(kErrParamInvalid, arg, cat("dtype must be one of {", names, "}; got ", dtype_name(t.dtype)));
+}
+
+void Validator::same_dtype(const TensorView& t, const char* arg, DType want,
+                           const char* want_from) const {
+  if (t.dtype != want) {
+    fail(kErrParamInvalid, arg,
+         cat("dtype must equal ", want_from, " (", dtype_name(want), "); got ", dtype_name(t.dtype)));
+  }
+}
+
+void Validator::layout(const TensorView& t, const char* arg, Device device) const {
+  if (!t.is_contiguous()) {
+    fail(kErrParamInvalid, arg, "tensor must be contiguous (row-major); got a strided view");
+  }
+  if (t.device != device) {
+    fail(kErrParamInvalid, arg,
+         cat("tensor must be on the same device as the first input (",
+             device == Device::kCPU ? "cpu" : "cuda", "); got ",
+             t.device == Device::kCPU ? "cpu" : "cuda"));
+  }
+}
+
+void Validator::rank(const TensorView& t, const char* arg, int r) const {
+  if (t.ndim != r) fail_shape(arg, cat("rank must be ", r, "; got rank ", t.ndim, " ", shape_str(t)));
+}
+
+void Validator::rank_in(const TensorView& t, const char* arg, int lo, int hi) const {
+  if (t.ndim < lo || t.ndim > hi) {
+    fail_shape(arg, cat("rank must be in [", lo, ", ", hi, "]; got rank ", t.ndim, " ", shape_str(t)));
+  }
+}
+
+void Validator::dim(const TensorView& t, const char* arg, int d, int64_t want,
+                    const std::string& what) const {
+  if (t.shape[d] != want) {
+    fail_shape(arg, cat("dim ", d, " must equal ", what, " (", want, "); got ", t.shape[d], " in ",
+                        shape_str(t)));
+  }
+}
+
+void Validator::shape(const TensorView& t, const char* arg, const Shape& want) const {
+  bool ok = t.ndim == static_cast<int>(want.size());
+  for (int i = 0; ok && i < t.ndim; ++i) ok = t.shape[i] == want[i];
+  if (!ok) {
+    std::string w = "[";
+    for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
+    fail_shape(arg, cat("shape must be ", w, "]; got ", shape_str(t)));
+  }
+}
+
+void check_workspace(const char* op, uint64_t need, const void* workspace, uint64_t bytes) {
+  if (need == 0) return;
+  if (workspace == nullptr || bytes < need) {
+    throw Error(kErrParamInvalid, cat(op, ": workspace: must hold at least ", need, " bytes; got ",
+                                      workspace == nullptr ? 0 : bytes));
+  }
+}
+
+void run_now(Executor& executor) {
+  std::vector<unsigned char> ws(executor.workspace_size());
+  executor.run(ws.empty() ? nullptr : ws.data(), ws.size(), nullptr);
+}
+
+namespace {
+std::atomic<int> g_num_threads{0};
+}
+
+void set_num_threads(int n) { g_num_threads.store(n > 0 ? n : 0); }
+
+int get_num_threads() { return effective_threads(); }
+
+int effective_threads() {
+  int n = g_num_threads.load();
+  if (n > 0) return n;
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+}  // namespace moegrad

@@ -1,0 +1,44 @@
+#include "core/index_check.h"
+
+#include <vector>
+
+namespace moegrad {
+
+void check_index_range(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
+                       int64_t lo, int64_t hi) {
+  if (idx.device != Device::kCPU) return;
+  const int32_t* p = static_cast<const int32_t*>(idx.data);
+  const int64_t n = idx.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] < lo || p[i] >= hi) {
+      v.fail(code, arg, cat("values must lie in [", lo, ", ", hi, "); got ", p[i],
+                            " at flat position ", i));
+    }
+  }
+}
+
+void check_index_unique(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
+                        int64_t hi) {
+  if (idx.device != Device::kCPU) return;
+  const int32_t* p = static_cast<const int32_t*>(idx.data);
+  const int64_t n = idx.numel();
+  std::vector<int64_t> first(static_cast<size_t>(hi), -1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] < 0) continue;
+    int64_t& seen = first[static_cast<size_t>(p[i])];
+    if (seen >= 0) {
+      v.fail(code, arg, cat("each valid value must appear at most once; got ", p[i],
+                            " at flat positions ", seen, " and ", i));
+    }
+    seen = i;
+  }
+}
+
+void require_cpu(const char* op, const TensorView& t) {
+  if (t.device != Device::kCPU) {
+    throw Error(kErrParamInvalid, cat(op, ": device: CUDA tensors need a moegrad build with "
+                                          "MOEGRAD_WITH_CUDA=ON; this build is CPU-only"));
+  }
+}
+
+}  // namespace moegrad

@@ -1,0 +1,339 @@
+// Validation, shape inference and planning of finalize routing (spec §3.6, §4.6, D6).
+#include "ops/finalize_routing/finalize_routing.h"
+
+#include "core/check.h"
+#include "core/executor.h"
+#include "core/index_check.h"
+
+namespace moegrad {
+
+namespace {
+// Checks a present optional tensor's dtype group and layout.
+void optional_layout(const Validator& v, const TensorView* t, const char* arg, Device dev) {
+  if (t) v.layout(*t, arg, dev);
+}
+}  // namespace
+
+FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const TensorView* idx,
+                                              const TensorView* x1, const TensorView* x2,
+                                              const TensorView* bias, const TensorView* scales,
+                                              const TensorView* eidx,
+                                              const FinalizeRoutingAttrs& a,
+                                              const TensorView* out, bool with_outputs,
+                                              int64_t k_hint) {
+  Validator v("moe_finalize_routing", kErrInnerNullptr);
+  FinalizeRoutingPlan p;
+  v.present(ex, "expanded_x");
+  v.present(idx, "expanded_row_idx");
+  if (with_outputs) v.present(out, "out");
+  // Dtypes and layouts: 161002.
+  v.dtype_in(*ex, "expanded_x", kFloatTypes);
+  v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
+  if (x1) v.same_dtype(*x1, "x1", ex->dtype, "expanded_x's dtype");
+  if (x2) v.same_dtype(*x2, "x2", ex->dtype, "expanded_x's dtype");
+  if (bias) v.same_dtype(*bias, "bias", ex->dtype, "expanded_x's dtype");
+  if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
+  if (eidx) v.same_dtype(*eidx, "expert_idx", DType::kInt32, "int32");
+  if (with_outputs) v.same_dtype(*out, "out", ex->dtype, "expanded_x's dtype");
+  const Device dev = ex->device;
+  v.layout(*ex, "expanded_x", dev);
+  v.layout(*idx, "expanded_row_idx", dev);
+  optional_layout(v, x1, "x1", dev);
+  optional_layout(v, x2, "x2", dev);
+  optional_layout(v, bias, "bias", dev);
+  optional_layout(v, scales, "scales", dev);
+  optional_layout(v, eidx, "expert_idx", dev);
+  if (with_outputs) v.layout(*out, "out", dev);
+
+  // Shapes and attributes: 561103.
+  const int64_t mode = a.drop_pad_mode;
+  v.check_shape(mode >= 0 && mode <= 3, "drop_pad_mode",
+                cat("must be 0, 1 (column layout) or 2, 3 (row layout); got ", mode));
+  const bool drop_pad = mode == 1 || mode == 3;
+  v.rank(*ex, "expanded_x", drop_pad ? 3 : 2);
+  const int64_t H = ex->shape[ex->ndim - 1];
+  v.check_shape(H >= 1, "expanded_x", cat("hidden size H (last dim) must be >= 1; got ", H));
+  v.rank(*idx, "expanded_row_idx", 1);
+  v.check_shape(!x2 || x1, "x2", "x2 requires x1; got x2 without x1");
+  v.check_shape(!bias || eidx, "expert_idx", "expert_idx is required when bias is given; got null");
+  for (auto [t, name] : {std::pair{x1, "x1"}, {x2, "x2"}, {bias, "bias"}, {scales, "scales"},
+                         {eidx, "expert_idx"}}) {
+    if (t) v.rank(*t, name, 2);
+  }
+  if (with_outputs) v.rank(*out, "out", 2);
+
+  // Token count R and top-k K (L4).
+  const int64_t n_idx = idx->shape[0];
+  int64_t R;
+  if (with_outputs) {
+    R = out->shape[0];
+  } else if (scales) {
+    R = scales->shape[0];
+  } else if (eidx) {
+    R = eidx->shape[0];
+  } else if (x1) {
+    R = x1->shape[0];
+  } else {
+    v.check_shape(k_hint >= 1, "k", cat("must be >= 1; got ", k_hint));
+    R = n_idx / k_hint;
+  }
+  int64_t K;
+  if (scales) {
+    K = scales->shape[1];
+  } else if (eidx) {
+    K = eidx->shape[1];
+  } else if (R > 0) {
+    v.check_shape(n_idx % R == 0, "expanded_row_idx",
+                  cat("length must be a multiple of the token count R (", R, "); got ", n_idx));
+    K = n_idx / R;
+  } else {
+    K = k_hint >= 1 ? k_hint : 1;
+  }
+  v.check_shape(K >= 1, scales ? "scales" : "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
+  if (scales && eidx) v.dim(*eidx, "expert_idx", 1, K, "scales' dim 1 (K)");
+  for (auto [t, name] : {std::pair{x1, "x1"}, {x2, "x2"}, {scales, "scales"}, {eidx, "expert_idx"}}) {
+    if (t) v.dim(*t, name, 0, R, "the token count R");
+  }
+  for (auto [t, name] : {std::pair{x1, "x1"}, {x2, "x2"}, {bias, "bias"}}) {
+    if (t) v.dim(*t, name, 1, H, "the hidden size H of expanded_x");
+  }
+  v.check_shape(n_idx == R * K, "expanded_row_idx",
+                cat("length must equal R * K (", R, " * ", K, " = ", R * K, "); got ", n_idx));
+  if (bias) v.check_shape(bias->shape[0] >= 1, "bias", cat("dim 0 (E) must be >= 1; got ", bias->shape[0]));
+  if (with_outputs) v.shape(*out, "out", {R, H});
+
+  const int64_t rows = drop_pad ? ex->shape[0] * ex->shape[1] : ex->shape[0];
+  // D6 value checks on host tensors.
+  if (drop_pad) {
+    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", -1, rows);
+    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", rows);
+  } else {
+    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", 0, R * K);
+    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", R * K);
+  }
+  if (bias) check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, bias->shape[0]);
+
+  p.expanded_x = *ex;
+  p.expanded_row_idx = *idx;
+  if (x1) p.x1 = *x1;
+  if (x2) p.x2 = *x2;
+  if (bias) p.bias = *bias;
+  if (scales) p.scales = *scales;
+  if (eidx) p.expert_idx = *eidx;
+  if (with_outputs) p.out = *out;
+  p.has_x1 = x1 != nullptr;
+  p.has_x2 = x2 != nullptr;
+  p.has_bias = bias != nullptr;
+  p.has_scales = scales != nullptr;
+  p.drop_pad_mode = mode;
+  p.R = R;
+  p.K = K;
+  p.H = H;
+  p.rows = rows;
+  p.num_bias = bias ? bias->shape[0] : 0;
+  p.row_layout = mode >= 2;
+  return p;
+}
+
+FinalizeRoutingGradPlan validate_finalize_routing_grad(
+    const TensorView* gy, const TensorView* idx, const TensorView* ex, const TensorView* scales,
+    const TensorView* eidx, const TensorView* bias, const FinalizeRoutingGradAttrs& a,
+    const TensorView* gex, const TensorView* gs, bool with_outputs) {
+  Validator v("moe_finalize_routing_grad", kErrInnerNullptr);
+  FinalizeRoutingGradPlan p;
+  v.present(gy, "grad_y");
+  v.present(idx, "expanded_row_idx");
+  if (with_outputs) {
+    v.present(gex, "grad_expanded_x");
+    v.present(gs, "grad_scales");
+  }
+  // Only what is used is checked: without scales, expanded_x, bias and expert_idx are ignored
+  // (§3.6, L6); without bias, expert_idx is ignored.
+  const TensorView* ex_used = scales ? ex : nullptr;
+  const TensorView* bias_used = scales ? bias : nullptr;
+  const TensorView* eidx_used = bias_used ? eidx : nullptr;
+  v.dtype_in(*gy, "grad_y", kFloatTypes);
+  v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
+  if (ex_used) v.same_dtype(*ex_used, "expanded_x", gy->dtype, "grad_y's dtype");
+  if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
+  if (eidx_used) v.same_dtype(*eidx_used, "expert_idx", DType::kInt32, "int32");
+  if (bias_used) v.same_dtype(*bias_used, "bias", gy->dtype, "grad_y's dtype");
+  const DType gs_dtype = scales ? scales->dtype : gy->dtype;
+  if (with_outputs) {
+    v.same_dtype(*gex, "grad_expanded_x", gy->dtype, "grad_y's dtype");
+    v.same_dtype(*gs, "grad_scales", gs_dtype, scales ? "scales' dtype" : "grad_y's dtype");
+  }
+  const Device dev = gy->device;
+  v.layout(*gy, "grad_y", dev);
+  v.layout(*idx, "expanded_row_idx", dev);
+  optional_layout(v, ex_used, "expanded_x", dev);
+  optional_layout(v, scales, "scales", dev);
+  optional_layout(v, eidx_used, "expert_idx", dev);
+  optional_layout(v, bias_used, "bias", dev);
+  if (with_outputs) {
+    v.layout(*gex, "grad_expanded_x", dev);
+    v.layout(*gs, "grad_scales", dev);
+  }
+
+  const int64_t mode = a.drop_pad_mode;
+  v.check_shape(mode == 0 || mode == 1, "drop_pad_mode",
+                cat("must be 0 (dropless) or 1 (drop-pad); got ", mode));
+  if (mode == 1) {
+    v.check_shape(a.expert_num > 0, "expert_num",
+                  cat("must be > 0 in drop-pad mode; got ", a.expert_num));
+    v.check_shape(a.expert_capacity > 0, "expert_capacity",
+                  cat("must be > 0 in drop-pad mode; got ", a.expert_capacity));
+  }
+  v.rank(*gy, "grad_y", 2);
+  const int64_t R = gy->shape[0], H = gy->shape[1];
+  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.rank(*idx, "expanded_row_idx", 1);
+  const int64_t n_idx = idx->shape[0];
+  int64_t K = 1;
+  if (scales) {
+    v.check_shape(ex != nullptr, "expanded_x", "expanded_x is required when scales are given; got null");
+    v.rank(*scales, "scales", 2);
+    v.dim(*scales, "scales", 0, R, "the token count R of grad_y");
+    K = scales->shape[1];
+    v.check_shape(K >= 1, "scales", cat("top-k K (dim 1) must be >= 1; got ", K));
+    v.check_shape(n_idx == R * K, "expanded_row_idx",
+                  cat("length must equal R * K (", R, " * ", K, " = ", R * K, "); got ", n_idx));
+  } else {
+    v.check_shape(n_idx == R, "expanded_row_idx",
+                  cat("length must equal R (", R, ") when scales are absent (K = 1); got ", n_idx));
+  }
+  int64_t rows;
+  Shape gex_shape;
+  if (mode == 0) {
+    rows = (a.active_num > 0 && a.active_num < R * K) ? a.active_num : R * K;
+    gex_shape = {rows, H};
+  } else {
+    rows = a.expert_num * a.expert_capacity;
+    gex_shape = {a.expert_num, a.expert_capacity, H};
+  }
+  if (ex_used) {
+    v.rank(*ex_used, "expanded_x", mode == 0 ? 2 : 3);
+    if (mode == 0) {
+      v.dim(*ex_used, "expanded_x", 0, rows, "the expanded row count (R * K or active_num)");
+    } else {
+      v.check_shape(ex_used->shape[0] * ex_used->shape[1] == rows, "expanded_x",
+                    cat("dims 0 and 1 must multiply to expert_num * expert_capacity (", rows,
+                        "); got ", shape_str(*ex_used)));
+    }
+    v.dim(*ex_used, "expanded_x", ex_used->ndim - 1, H, "the hidden size H of grad_y");
+  }
+  if (bias_used) {
+    v.check_shape(eidx != nullptr, "expert_idx", "expert_idx is required when bias is given; got null");
+    v.rank(*eidx_used, "expert_idx", 2);
+    v.rank(*bias_used, "bias", 2);
+    v.dim(*eidx_used, "expert_idx", 0, R, "the token count R of grad_y");
+    v.check_shape(eidx_used->numel() == R * K, "expert_idx",
+                  cat("element count must equal R * K (", R * K, "); got ", eidx_used->numel()));
+    v.check_shape(bias_used->shape[0] >= 1, "bias",
+                  cat("dim 0 (E) must be >= 1; got ", bias_used->shape[0]));
+    if (mode == 1) v.dim(*bias_used, "bias", 0, a.expert_num, "expert_num");
+    v.dim(*bias_used, "bias", 1, H, "the hidden size H of grad_y");
+  }
+  const Shape gs_shape = {R, K};
+  if (with_outputs) {
+    if (mode == 0) {
+      v.shape(*gex, "grad_expanded_x", gex_shape);
+    } else {
+      v.rank(*gex, "grad_expanded_x", 3);
+      v.check_shape(gex->shape[0] * gex->shape[1] == rows && gex->shape[2] == H,
+                    "grad_expanded_x",
+                    cat("shape must be [expert_num, expert_capacity, H] = [", a.expert_num, ", ",
+                        a.expert_capacity, ", ", H, "]; got ", shape_str(*gex)));
+    }
+    v.shape(*gs, "grad_scales", gs_shape);
+  }
+  // D6 value checks on host tensors.
+  if (mode == 0) {
+    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", 0, R * K);
+    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", R * K);
+  } else {
+    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", -1, rows);
+    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", rows);
+  }
+  if (bias_used) check_index_range(v, kErrInnerNullptr, *eidx_used, "expert_idx", 0, bias_used->shape[0]);
+
+  p.grad_y = *gy;
+  p.expanded_row_idx = *idx;
+  if (ex_used) p.expanded_x = *ex_used;
+  if (scales) p.scales = *scales;
+  if (eidx_used) p.expert_idx = *eidx_used;
+  if (bias_used) p.bias = *bias_used;
+  if (with_outputs) {
+    p.grad_expanded_x = *gex;
+    p.grad_scales = *gs;
+  }
+  p.has_scales = scales != nullptr;
+  p.has_bias = bias_used != nullptr;
+  p.drop_pad_mode = mode;
+  p.R = R;
+  p.K = K;
+  p.H = H;
+  p.rows = rows;
+  p.num_bias = bias_used ? bias_used->shape[0] : 0;
+  p.grad_expanded_x_shape = gex_shape;
+  p.grad_scales_shape = gs_shape;
+  p.grad_scales_dtype = gs_dtype;
+  return p;
+}
+
+void run_plan(const FinalizeRoutingPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.expanded_x);
+  finalize_routing_cpu(plan);
+}
+
+void run_plan(const FinalizeRoutingGradPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.grad_y);
+  finalize_routing_grad_cpu(plan);
+}
+
+ExecutorPtr plan_moe_finalize_routing(const TensorView* expanded_x,
+                                      const TensorView* expanded_row_idx, const TensorView* x1,
+                                      const TensorView* x2, const TensorView* bias,
+                                      const TensorView* scales, const TensorView* expert_idx,
+                                      const FinalizeRoutingAttrs& attrs, const TensorView* out) {
+  return make_executor(validate_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
+                                                 scales, expert_idx, attrs, out, true, 0));
+}
+
+std::vector<Shape> infer_moe_finalize_routing(const TensorView* expanded_x,
+                                              const TensorView* expanded_row_idx,
+                                              const TensorView* x1, const TensorView* x2,
+                                              const TensorView* bias, const TensorView* scales,
+                                              const TensorView* expert_idx,
+                                              const FinalizeRoutingAttrs& attrs, int64_t k) {
+  FinalizeRoutingPlan p = validate_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
+                                                    scales, expert_idx, attrs, nullptr, false, k);
+  return {{p.R, p.H}};
+}
+
+ExecutorPtr plan_moe_finalize_routing_grad(const TensorView* grad_y,
+                                           const TensorView* expanded_row_idx,
+                                           const TensorView* expanded_x, const TensorView* scales,
+                                           const TensorView* expert_idx, const TensorView* bias,
+                                           const FinalizeRoutingGradAttrs& attrs,
+                                           const TensorView* grad_expanded_x,
+                                           const TensorView* grad_scales) {
+  return make_executor(validate_finalize_routing_grad(grad_y, expanded_row_idx, expanded_x,
+                                                      scales, expert_idx, bias, attrs,
+                                                      grad_expanded_x, grad_scales, true));
+}
+
+std::vector<Shape> infer_moe_finalize_routing_grad(const TensorView* grad_y,
+                                                   const TensorView* expanded_row_idx,
+                                                   const TensorView* expanded_x,
+                                                   const TensorView* scales,
+                                                   const TensorView* expert_idx,
+                                                   const TensorView* bias,
+                                                   const FinalizeRoutingGradAttrs& attrs) {
+  FinalizeRoutingGradPlan p = validate_finalize_routing_grad(
+      grad_y, expanded_row_idx, expanded_x, scales, expert_idx, bias, attrs, nullptr, nullptr,
+      false);
+  return {p.grad_expanded_x_shape, p.grad_scales_shape};
+}
+
+}  // namespace moegrad

@@ -1,0 +1,161 @@
+// CPU kernels of finalize routing forward (§4.5) and grad (§3.5). One token row per iteration,
+// fp32 accumulation in a per-thread row buffer, fixed summation order (D16).
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/math.h"
+#include "core/parallel.h"
+#include "ops/finalize_routing/finalize_routing.h"
+
+namespace moegrad {
+
+namespace {
+
+int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+
+template <typename T, typename S>
+void finalize_rows(const FinalizeRoutingPlan& p, int64_t begin, int64_t end) {
+  const int64_t R = p.R, K = p.K, H = p.H;
+  const T* ex = typed<T>(p.expanded_x);
+  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
+  const T* x1 = p.has_x1 ? typed<T>(p.x1) : nullptr;
+  const T* x2 = p.has_x2 ? typed<T>(p.x2) : nullptr;
+  const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
+  const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
+  const int32_t* eidx = p.has_bias ? typed<int32_t>(p.expert_idx) : nullptr;
+  T* out = typed<T>(p.out);
+  std::vector<float> acc(H);
+
+  for (int64_t r = begin; r < end; ++r) {
+    if (x1) {
+      const T* a = x1 + r * H;
+      for (int64_t j = 0; j < H; ++j) acc[j] = to_f32(a[j]);
+    } else {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+    }
+    if (x2) {
+      const T* b = x2 + r * H;
+      for (int64_t j = 0; j < H; ++j) acc[j] += to_f32(b[j]);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t flat = p.row_layout ? r * K + k : k * R + r;
+      const int32_t d = idx[flat];
+      const float s = scales ? to_f32(scales[r * K + k]) : 1.0f;
+      const T* brow = nullptr;
+      if (bias) {
+        const int32_t e = eidx[r * K + k];
+        if (e >= 0 && e < p.num_bias) brow = bias + static_cast<int64_t>(e) * H;
+      }
+      const bool valid = d >= 0 && d < p.rows;
+      const T* xrow = valid ? ex + static_cast<int64_t>(d) * H : nullptr;
+      // Dropped or truncated slots keep their bias term (D7, L5).
+      if (xrow && brow) {
+        for (int64_t j = 0; j < H; ++j) acc[j] += s * (to_f32(xrow[j]) + to_f32(brow[j]));
+      } else if (xrow) {
+        for (int64_t j = 0; j < H; ++j) acc[j] += s * to_f32(xrow[j]);
+      } else if (brow) {
+        for (int64_t j = 0; j < H; ++j) acc[j] += s * to_f32(brow[j]);
+      }
+    }
+    T* o = out + r * H;
+    for (int64_t j = 0; j < H; ++j) o[j] = from_f32<T>(acc[j]);
+  }
+}
+
+template <typename T, typename S>
+void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t end) {
+  const int64_t K = p.K, H = p.H;
+  const T* gy = typed<T>(p.grad_y);
+  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
+  const T* ex = p.has_scales ? typed<T>(p.expanded_x) : nullptr;
+  const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
+  const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
+  const int32_t* eidx = p.has_bias ? typed<int32_t>(p.expert_idx) : nullptr;
+  T* gex = typed<T>(p.grad_expanded_x);
+  S* gs = typed<S>(p.grad_scales);
+  std::vector<float> g(H);
+
+  for (int64_t r = begin; r < end; ++r) {
+    const T* gyr = gy + r * H;
+    for (int64_t j = 0; j < H; ++j) g[j] = to_f32(gyr[j]);
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = r * K + k;
+      const int32_t d = idx[i];
+      const bool valid = d >= 0 && d < p.rows;
+      const float s = scales ? to_f32(scales[i]) : 1.0f;
+      if (valid) {
+        T* dst = gex + static_cast<int64_t>(d) * H;
+        for (int64_t j = 0; j < H; ++j) dst[j] = from_f32<T>(g[j] * s);
+      }
+      if (!scales) {
+        gs[i] = from_f32<S>(0.0f);  // D5: zeros without scales
+        continue;
+      }
+      const T* brow = nullptr;
+      if (bias) {
+        const int32_t e = eidx[i];
+        if (e >= 0 && e < p.num_bias) brow = bias + static_cast<int64_t>(e) * H;
+      }
+      const T* xrow = valid ? ex + static_cast<int64_t>(d) * H : nullptr;
+      float dot = 0.0f;
+      if (xrow && brow) {
+        dot = blocked_dot(H, [&](int64_t j) { return to_f32(xrow[j]) + to_f32(brow[j]); },
+                          [&](int64_t j) { return g[j]; });
+      } else if (xrow) {
+        dot = blocked_dot(H, [&](int64_t j) { return to_f32(xrow[j]); },
+                          [&](int64_t j) { return g[j]; });
+      } else if (brow) {
+        dot = blocked_dot(H, [&](int64_t j) { return to_f32(brow[j]); },
+                          [&](int64_t j) { return g[j]; });
+      }
+      gs[i] = from_f32<S>(dot);
+    }
+  }
+}
+
+}  // namespace
+
+void finalize_routing_cpu(const FinalizeRoutingPlan& p) {
+  const DType sdt = p.has_scales ? p.scales.dtype : p.expanded_x.dtype;
+  dispatch_float(p.expanded_x.dtype, "expanded_x", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_float(sdt, "scales", [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      parallel_for(p.R, grain_rows(p.H * p.K),
+                   [&](int64_t b, int64_t e) { finalize_rows<T, S>(p, b, e); });
+    });
+  });
+}
+
+void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& p) {
+  // Rows of grad_expanded_x that no valid index addresses are zeroed; the others are written
+  // exactly once by the scatter below (indices are unique, D6).
+  std::vector<unsigned char> covered(static_cast<size_t>(p.rows), 0);
+  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
+  const int64_t n_idx = p.R * p.K;
+  for (int64_t i = 0; i < n_idx; ++i) {
+    if (idx[i] >= 0 && idx[i] < p.rows) covered[static_cast<size_t>(idx[i])] = 1;
+  }
+  const int64_t H = p.H;
+  const size_t row_bytes = static_cast<size_t>(H) *
+                           (p.grad_y.dtype == DType::kFloat32 ? 4 : 2);
+  unsigned char* gex = static_cast<unsigned char*>(p.grad_expanded_x.data);
+  parallel_for(p.rows, grain_rows(H), [&](int64_t b, int64_t e) {
+    for (int64_t d = b; d < e; ++d) {
+      if (!covered[static_cast<size_t>(d)]) std::memset(gex + d * row_bytes, 0, row_bytes);
+    }
+  });
+  const DType sdt = p.grad_scales_dtype;
+  dispatch_float(p.grad_y.dtype, "grad_y", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_float(sdt, "grad_scales", [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      parallel_for(p.R, grain_rows(H * p.K),
+                   [&](int64_t b, int64_t e) { finalize_grad_rows<T, S>(p, b, e); });
+    });
+  });
+}
+
+}  // namespace moegrad

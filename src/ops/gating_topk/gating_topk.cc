@@ -1,0 +1,198 @@
+// Validation, shape inference and planning of the gating top-k operators (spec §1.6, §2.5).
+#include "ops/gating_topk/gating_topk.h"
+
+#include <cmath>
+
+#include "core/check.h"
+#include "core/executor.h"
+#include "core/index_check.h"
+
+namespace moegrad {
+
+namespace {
+constexpr int64_t kMaxExperts = 2048;
+
+int64_t round_up32(int64_t v) { return (v + 31) / 32 * 32; }
+}  // namespace
+
+GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias,
+                                     const GatingTopKAttrs& a, const TensorView* y,
+                                     const TensorView* expert_idx, const TensorView* norm_out,
+                                     bool with_outputs) {
+  Validator v("moe_gating_top_k", kErrTiling);
+  GatingTopKPlan p;
+  v.present(x, "x");
+  if (with_outputs) {
+    v.present(y, "y");
+    v.present(expert_idx, "expert_idx");
+    v.present(norm_out, "norm_out");
+  }
+  // Dtypes and layouts: 161002 (§2.5).
+  v.dtype_in(*x, "x", kFloatTypes);
+  v.layout(*x, "x", x->device);
+  if (bias) {
+    v.same_dtype(*bias, "bias", x->dtype, "x's dtype");
+    v.layout(*bias, "bias", x->device);
+  }
+  if (with_outputs) {
+    v.same_dtype(*y, "y", x->dtype, "x's dtype");
+    v.same_dtype(*expert_idx, "expert_idx", DType::kInt32, "int32");
+    v.same_dtype(*norm_out, "norm_out", DType::kFloat32, "float32");
+    v.layout(*y, "y", x->device);
+    v.layout(*expert_idx, "expert_idx", x->device);
+    v.layout(*norm_out, "norm_out", x->device);
+  }
+  // Shapes and attributes: 561002 (§2.5, D2, D13).
+  v.rank(*x, "x", 2);
+  const int64_t M = x->shape[0], N = x->shape[1];
+  v.check_shape(N >= 1 && N <= kMaxExperts, "x",
+                cat("expert count N (dim 1) must satisfy 1 <= N <= 2048; got ", N));
+  if (bias) {
+    v.rank(*bias, "bias", 1);
+    v.dim(*bias, "bias", 0, N, "the expert count N of x");
+  }
+  v.check_shape(a.group_count >= 1, "group_count", cat("must be >= 1; got ", a.group_count));
+  v.check_shape(N % a.group_count == 0, "group_count",
+                cat("must divide the expert count N (", N, "); got ", a.group_count));
+  const int64_t group_size = N / a.group_count;
+  v.check_shape(a.k_group >= 1 && a.k_group <= a.group_count, "k_group",
+                cat("must satisfy 1 <= k_group <= group_count (", a.group_count, "); got ",
+                    a.k_group));
+  v.check_shape(a.group_select_mode == 0 || a.group_select_mode == 1, "group_select_mode",
+                cat("must be 0 (group max) or 1 (sum of top two); got ", a.group_select_mode));
+  v.check_shape(a.group_select_mode == 0 || group_size >= 2, "group_select_mode",
+                cat("group_select_mode 1 needs groups of at least 2 experts (N / group_count = ",
+                    group_size, "); got 1"));
+  v.check_shape(a.k >= 1 && a.k <= N, "k", cat("must satisfy 1 <= k <= N (", N, "); got ", a.k));
+  v.check_shape(a.k <= a.k_group * group_size, "k",
+                cat("must be <= k_group * N / group_count (", a.k_group * group_size, "); got ",
+                    a.k));
+  const bool grouped = a.group_count > 1 && a.k_group < a.group_count;
+  if (a.group_count != 1 && a.group_count != N && a.k_group != a.group_count) {
+    v.check_shape(a.group_count * round_up32(group_size) <= kMaxExperts, "group_count",
+                  cat("group_count * roundup32(N / group_count) must be <= 2048; got ",
+                      a.group_count * round_up32(group_size)));
+  }
+  v.check_shape(a.norm_type >= 0 && a.norm_type <= 2, "norm_type",
+                cat("must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type));
+  v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm", cat("must be 0 or 1; got ", a.renorm));
+  v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
+                cat("must be finite; got ", a.routed_scaling_factor));
+  v.check_shape(std::isfinite(a.eps), "eps", cat("must be finite; got ", a.eps));
+  if (with_outputs) {
+    v.shape(*y, "y", {M, a.k});
+    v.shape(*expert_idx, "expert_idx", {M, a.k});
+    v.shape(*norm_out, "norm_out", {M, N});
+  }
+  p.x = *x;
+  if (bias) p.bias = *bias;
+  p.has_bias = bias != nullptr;
+  if (with_outputs) {
+    p.y = *y;
+    p.expert_idx = *expert_idx;
+    p.norm_out = *norm_out;
+  }
+  p.attrs = a;
+  p.M = M;
+  p.N = N;
+  p.grouped = grouped;
+  return p;
+}
+
+GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
+                                                      const TensorView* grad_y,
+                                                      const TensorView* expert_idx,
+                                                      const GatingTopKBackwardAttrs& a,
+                                                      const TensorView* grad_x,
+                                                      bool with_outputs) {
+  // Every violation but a null tensor is 161002 (D3).
+  Validator v("moe_gating_top_k_backward", kErrParamInvalid);
+  GatingTopKBackwardPlan p;
+  v.present(x_norm, "x_norm");
+  v.present(grad_y, "grad_y");
+  v.present(expert_idx, "expert_idx");
+  if (with_outputs) v.present(grad_x, "grad_x");
+  v.same_dtype(*x_norm, "x_norm", DType::kFloat32, "float32");
+  v.dtype_in(*grad_y, "grad_y", kFloatTypes);
+  v.same_dtype(*expert_idx, "expert_idx", DType::kInt32, "int32");
+  const Device dev = x_norm->device;
+  v.layout(*x_norm, "x_norm", dev);
+  v.layout(*grad_y, "grad_y", dev);
+  v.layout(*expert_idx, "expert_idx", dev);
+  if (with_outputs) {
+    v.same_dtype(*grad_x, "grad_x", grad_y->dtype, "grad_y's dtype");
+    v.layout(*grad_x, "grad_x", dev);
+  }
+  v.rank(*x_norm, "x_norm", 2);
+  const int64_t M = x_norm->shape[0], N = x_norm->shape[1];
+  v.check_shape(N >= 2 && N <= kMaxExperts, "x_norm",
+                cat("expert count N (dim 1) must satisfy 2 <= N <= 2048; got ", N));
+  v.rank(*grad_y, "grad_y", 2);
+  v.dim(*grad_y, "grad_y", 0, M, "the token count M of x_norm");
+  const int64_t K = grad_y->shape[1];
+  v.check_shape(K >= 1 && K <= N, "grad_y",
+                cat("top-k K (dim 1) must satisfy 1 <= K <= N (", N, "); got ", K));
+  v.rank(*expert_idx, "expert_idx", 2);
+  v.shape(*expert_idx, "expert_idx", {M, K});
+  v.check_shape(a.norm_type == 1, "norm_type",
+                cat("must be 1 (sigmoid, the only supported mode); got ", a.norm_type));
+  v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
+                cat("must be finite; got ", a.routed_scaling_factor));
+  v.check_shape(std::isfinite(a.eps), "eps", cat("must be finite; got ", a.eps));
+  if (with_outputs) {
+    v.rank(*grad_x, "grad_x", 2);
+    v.shape(*grad_x, "grad_x", {M, N});
+  }
+  // D6: host index values lie in [0, N); repeats within a row are summed (D1).
+  check_index_range(v, kErrParamInvalid, *expert_idx, "expert_idx", 0, N);
+  p.x_norm = *x_norm;
+  p.grad_y = *grad_y;
+  p.expert_idx = *expert_idx;
+  if (with_outputs) p.grad_x = *grad_x;
+  p.attrs = a;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  return p;
+}
+
+void run_plan(const GatingTopKPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.x);
+  gating_top_k_cpu(plan);
+}
+
+void run_plan(const GatingTopKBackwardPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.x_norm);
+  gating_top_k_backward_cpu(plan);
+}
+
+ExecutorPtr plan_moe_gating_top_k(const TensorView* x, const TensorView* bias,
+                                  const GatingTopKAttrs& attrs, const TensorView* y,
+                                  const TensorView* expert_idx, const TensorView* norm_out) {
+  return make_executor(validate_gating_top_k(x, bias, attrs, y, expert_idx, norm_out, true));
+}
+
+std::vector<Shape> infer_moe_gating_top_k(const TensorView* x, const TensorView* bias,
+                                          const GatingTopKAttrs& attrs) {
+  GatingTopKPlan p = validate_gating_top_k(x, bias, attrs, nullptr, nullptr, nullptr, false);
+  return {{p.M, attrs.k}, {p.M, attrs.k}, {p.M, p.N}};
+}
+
+ExecutorPtr plan_moe_gating_top_k_backward(const TensorView* x_norm, const TensorView* grad_y,
+                                           const TensorView* expert_idx,
+                                           const GatingTopKBackwardAttrs& attrs,
+                                           const TensorView* grad_x) {
+  return make_executor(
+      validate_gating_top_k_backward(x_norm, grad_y, expert_idx, attrs, grad_x, true));
+}
+
+std::vector<Shape> infer_moe_gating_top_k_backward(const TensorView* x_norm,
+                                                   const TensorView* grad_y,
+                                                   const TensorView* expert_idx,
+                                                   const GatingTopKBackwardAttrs& attrs) {
+  GatingTopKBackwardPlan p =
+      validate_gating_top_k_backward(x_norm, grad_y, expert_idx, attrs, nullptr, false);
+  return {{p.M, p.N}};
+}
+
+}  // namespace moegrad

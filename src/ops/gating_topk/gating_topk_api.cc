@@ -1,0 +1,42 @@
+// extern "C" entry points of MoeGatingTopK and MoeGatingTopKBackward (spec §1.2, §2.2).
+#include "core/acl_api.h"
+
+using namespace moegrad;
+
+extern "C" {
+
+aclnnStatus aclnnMoeGatingTopKGetWorkspaceSize(
+    const aclTensor* x, const aclTensor* biasOptional, int64_t k, int64_t kGroup,
+    int64_t groupCount, int64_t groupSelectMode, int64_t renorm, int64_t normType, bool outFlag,
+    double routedScalingFactor, double eps, const aclTensor* yOut, const aclTensor* expertIdxOut,
+    const aclTensor* outOut, uint64_t* workspaceSize, aclOpExecutor** executor) {
+  return stage_one("moe_gating_top_k", workspaceSize, executor, [&] {
+    GatingTopKAttrs a{k, kGroup, groupCount, groupSelectMode, renorm, normType, outFlag,
+                      routedScalingFactor, eps};
+    return plan_moe_gating_top_k(view_of(x), view_of(biasOptional), a, view_of(yOut),
+                                 view_of(expertIdxOut), view_of(outOut));
+  });
+}
+
+aclnnStatus aclnnMoeGatingTopK(void* workspace, uint64_t workspaceSize, aclOpExecutor* executor,
+                               aclrtStream stream) {
+  return stage_two("moe_gating_top_k", workspace, workspaceSize, executor, stream);
+}
+
+aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
+    const aclTensor* xNorm, const aclTensor* gradY, const aclTensor* expertIdx, int64_t renorm,
+    int64_t normType, double routedScalingFactor, double eps, const aclTensor* out,
+    uint64_t* workspaceSize, aclOpExecutor** executor) {
+  return stage_one("moe_gating_top_k_backward", workspaceSize, executor, [&] {
+    GatingTopKBackwardAttrs a{renorm, normType, routedScalingFactor, eps};
+    return plan_moe_gating_top_k_backward(view_of(xNorm), view_of(gradY), view_of(expertIdx), a,
+                                          view_of(out));
+  });
+}
+
+aclnnStatus aclnnMoeGatingTopKBackward(void* workspace, uint64_t workspaceSize,
+                                       aclOpExecutor* executor, aclrtStream stream) {
+  return stage_two("moe_gating_top_k_backward", workspace, workspaceSize, executor, stream);
+}
+
+}  // extern "C"

@@ -1,0 +1,218 @@
+// Validation, shape inference and planning of the SwiGLU operators (spec §5.6, D9, D11).
+#include "ops/swiglu/swiglu.h"
+
+#include <cmath>
+
+#include "core/check.h"
+#include "core/executor.h"
+#include "core/index_check.h"
+
+namespace moegrad {
+
+namespace {
+
+// clamp_limit is -1.0 (off) or > 0 (D11); compared in fp32 as the device does.
+float check_clamp(const Validator& v, double clamp_limit) {
+  const float c = static_cast<float>(clamp_limit);
+  v.check_shape(c == -1.0f || c > 0.0f, "clamp_limit",
+                cat("must be -1.0 (off) or > 0; got ", clamp_limit));
+  return c;
+}
+
+// Leading-dim product T of a [..., D] tensor.
+int64_t leading(const TensorView& t) {
+  int64_t n = 1;
+  for (int i = 0; i + 1 < t.ndim; ++i) n *= t.shape[i];
+  return n;
+}
+
+void check_weight(const Validator& v, const TensorView& w, int64_t T) {
+  v.same_dtype(w, "weight", DType::kFloat32, "float32");
+  v.rank_in(w, "weight", 1, kMaxDims);
+  v.check_shape(w.numel() == T, "weight",
+                cat("element count must equal the token count T (product of x's leading dims, ",
+                    T, "); got ", w.numel(), " in ", shape_str(w)));
+}
+
+void check_group_index(const Validator& v, const TensorView& g) {
+  v.same_dtype(g, "group_index", DType::kInt64, "int64");
+  v.rank(g, "group_index", 1);
+}
+
+Shape half_last(const TensorView& x) {
+  Shape s(x.shape, x.shape + x.ndim);
+  s.back() /= 2;
+  return s;
+}
+
+}  // namespace
+
+int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, int64_t T) {
+  if (!has_group_index) return T;
+  // Host tensors are summed here; the CUDA path sums on the device.
+  const int64_t* g = static_cast<const int64_t*>(group_index->data);
+  int64_t sum = 0;
+  for (int64_t i = 0; i < group_index->numel(); ++i) {
+    sum += g[i];
+    if (sum > T) return T;  // clipped (§5.7); stops early so huge counts cannot overflow
+  }
+  return sum < 0 ? 0 : sum;
+}
+
+SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
+                           const TensorView* group_index, const SwigluAttrs& a,
+                           const TensorView* y, bool with_outputs) {
+  Validator v("swiglu_group", kErrTiling);
+  SwigluPlan p;
+  v.present(x, "x");
+  if (with_outputs) v.present(y, "y");
+  v.dtype_in(*x, "x", kFloatTypes);
+  const Device dev = x->device;
+  v.layout(*x, "x", dev);
+  if (weight) {
+    v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
+    v.layout(*weight, "weight", dev);
+  }
+  if (group_index) {
+    v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
+    v.layout(*group_index, "group_index", dev);
+  }
+  if (with_outputs) {
+    v.same_dtype(*y, "y", x->dtype, "x's dtype");
+    v.layout(*y, "y", dev);
+  }
+  p.clamp = check_clamp(v, a.clamp_limit);
+  v.rank_in(*x, "x", 1, kMaxDims);
+  const int64_t D = x->shape[x->ndim - 1];
+  v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
+  const int64_t T = leading(*x);
+  if (weight) check_weight(v, *weight, T);
+  if (group_index) check_group_index(v, *group_index);
+  p.y_shape = half_last(*x);
+  if (with_outputs) v.shape(*y, "y", p.y_shape);
+  p.x = *x;
+  if (weight) p.weight = *weight;
+  if (group_index) p.group_index = *group_index;
+  if (with_outputs) p.y = *y;
+  p.has_weight = weight != nullptr;
+  p.has_group_index = group_index != nullptr;
+  p.T = T;
+  p.H = D / 2;
+  return p;
+}
+
+SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
+                                    const TensorView* weight, const TensorView* y_origin,
+                                    const TensorView* group_index, const SwigluAttrs& a,
+                                    const TensorView* gx, const TensorView* gw,
+                                    bool with_outputs) {
+  Validator v("swiglu_group_quant_backward", kErrTiling);
+  SwigluGradPlan p;
+  v.present(gy, "grad_y");
+  v.present(x, "x");
+  if (with_outputs) v.present(gx, "grad_x");
+  // y_origin is checked whenever given but only read together with weight (§5.5, §5.6).
+  const TensorView* yo = y_origin;
+  v.dtype_in(*gy, "grad_y", kFloatTypes);
+  v.dtype_in(*x, "x", kFloatTypes);
+  v.same_dtype(*gy, "grad_y", x->dtype, "x's dtype");
+  if (weight) v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
+  if (y_origin) v.same_dtype(*y_origin, "y_origin", x->dtype, "x's dtype");
+  if (group_index) v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
+  if (with_outputs) {
+    v.same_dtype(*gx, "grad_x", x->dtype, "x's dtype");
+    if (gw) v.same_dtype(*gw, "grad_weight", DType::kFloat32, "float32");
+  }
+  const Device dev = x->device;
+  v.layout(*gy, "grad_y", dev);
+  v.layout(*x, "x", dev);
+  if (weight) v.layout(*weight, "weight", dev);
+  if (yo) v.layout(*yo, "y_origin", dev);
+  if (group_index) v.layout(*group_index, "group_index", dev);
+  if (with_outputs) {
+    v.layout(*gx, "grad_x", dev);
+    if (gw) v.layout(*gw, "grad_weight", dev);
+  }
+  p.clamp = check_clamp(v, a.clamp_limit);
+  v.rank_in(*x, "x", 1, kMaxDims);
+  v.rank_in(*gy, "grad_y", 1, kMaxDims);
+  v.check_shape(gy->ndim == x->ndim, "grad_y",
+                cat("rank must equal x's rank (", x->ndim, "); got ", gy->ndim));
+  const int64_t D = x->shape[x->ndim - 1];
+  v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
+  for (int i = 0; i + 1 < x->ndim; ++i) {
+    v.dim(*gy, "grad_y", i, x->shape[i], cat("x's dim ", i));
+  }
+  v.dim(*gy, "grad_y", gy->ndim - 1, D / 2, "half of x's last dim (H)");
+  const int64_t T = leading(*x);
+  if (weight) {
+    check_weight(v, *weight, T);
+    v.check_shape(y_origin != nullptr, "y_origin",
+                  "y_origin is required when weight is given; got null");
+  }
+  if (y_origin) v.shape(*y_origin, "y_origin", Shape(gy->shape, gy->shape + gy->ndim));
+  if (group_index) check_group_index(v, *group_index);
+  p.grad_x_shape = Shape(x->shape, x->shape + x->ndim);
+  p.grad_weight_shape = weight ? Shape(weight->shape, weight->shape + weight->ndim) : Shape{0};
+  if (with_outputs) {
+    v.shape(*gx, "grad_x", p.grad_x_shape);
+    if (weight && gw) v.shape(*gw, "grad_weight", p.grad_weight_shape);
+  }
+  p.grad_y = *gy;
+  p.x = *x;
+  if (weight) p.weight = *weight;
+  if (yo) p.y_origin = *yo;
+  if (group_index) p.group_index = *group_index;
+  if (with_outputs) {
+    p.grad_x = *gx;
+    if (gw) p.grad_weight = *gw;
+  }
+  p.has_weight = weight != nullptr;
+  p.has_group_index = group_index != nullptr;
+  p.has_grad_weight = weight != nullptr && gw != nullptr && with_outputs;
+  p.T = T;
+  p.H = D / 2;
+  return p;
+}
+
+void run_plan(const SwigluPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.x);
+  swiglu_cpu(plan);
+}
+
+void run_plan(const SwigluGradPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.x);
+  swiglu_grad_cpu(plan);
+}
+
+ExecutorPtr plan_swiglu_group(const TensorView* x, const TensorView* weight,
+                              const TensorView* group_index, const SwigluAttrs& attrs,
+                              const TensorView* y) {
+  return make_executor(validate_swiglu(x, weight, group_index, attrs, y, true));
+}
+
+std::vector<Shape> infer_swiglu_group(const TensorView* x, const TensorView* weight,
+                                      const TensorView* group_index, const SwigluAttrs& attrs) {
+  return {validate_swiglu(x, weight, group_index, attrs, nullptr, false).y_shape};
+}
+
+ExecutorPtr plan_swiglu_group_quant_grad(const TensorView* grad_y, const TensorView* x,
+                                         const TensorView* weight, const TensorView* y_origin,
+                                         const TensorView* group_index, const SwigluAttrs& attrs,
+                                         const TensorView* grad_x,
+                                         const TensorView* grad_weight) {
+  return make_executor(validate_swiglu_grad(grad_y, x, weight, y_origin, group_index, attrs,
+                                            grad_x, grad_weight, true));
+}
+
+std::vector<Shape> infer_swiglu_group_quant_grad(const TensorView* grad_y, const TensorView* x,
+                                                 const TensorView* weight,
+                                                 const TensorView* y_origin,
+                                                 const TensorView* group_index,
+                                                 const SwigluAttrs& attrs) {
+  SwigluGradPlan p = validate_swiglu_grad(grad_y, x, weight, y_origin, group_index, attrs,
+                                          nullptr, nullptr, false);
+  return {p.grad_x_shape, p.grad_weight_shape};
+}
+
+}  // namespace moegrad

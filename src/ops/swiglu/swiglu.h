@@ -1,0 +1,52 @@
+// SwiGLU with per-token weight, clamp and MoE group_index: forward and backward
+// (SwigluGroupQuantGrad). Parameters, validation and shape inference (no kernels).
+// Spec: operators.md §5 (backward), §6.4 (forward without quantisation); decisions.md D9-D11,
+// D17; docs/decisions.md L7-L9.
+#ifndef MOEGRAD_OPS_SWIGLU_H_
+#define MOEGRAD_OPS_SWIGLU_H_
+
+#include "moegrad/moegrad.h"
+
+namespace moegrad {
+
+struct SwigluPlan {
+  const char* op = "swiglu_group";
+  uint64_t workspace_bytes = 0;
+  TensorView x, weight, group_index, y;
+  bool has_weight = false, has_group_index = false;
+  float clamp = -1.0f;
+  int64_t T = 0, H = 0;
+  Shape y_shape;
+};
+
+struct SwigluGradPlan {
+  const char* op = "swiglu_group_quant_backward";
+  uint64_t workspace_bytes = 0;
+  TensorView grad_y, x, weight, y_origin, group_index, grad_x, grad_weight;
+  bool has_weight = false, has_group_index = false, has_grad_weight = false;
+  float clamp = -1.0f;
+  int64_t T = 0, H = 0;
+  Shape grad_x_shape, grad_weight_shape;
+};
+
+SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
+                           const TensorView* group_index, const SwigluAttrs& attrs,
+                           const TensorView* y, bool with_outputs);
+SwigluGradPlan validate_swiglu_grad(const TensorView* grad_y, const TensorView* x,
+                                    const TensorView* weight, const TensorView* y_origin,
+                                    const TensorView* group_index, const SwigluAttrs& attrs,
+                                    const TensorView* grad_x, const TensorView* grad_weight,
+                                    bool with_outputs);
+
+void run_plan(const SwigluPlan& plan, void* workspace, void* stream);
+void run_plan(const SwigluGradPlan& plan, void* workspace, void* stream);
+
+// Rows that are processed: min(max(sum(group_index), 0), T) (L8), or T without group_index.
+int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, int64_t T);
+
+void swiglu_cpu(const SwigluPlan& plan);
+void swiglu_grad_cpu(const SwigluGradPlan& plan);
+
+}  // namespace moegrad
+
+#endif  // MOEGRAD_OPS_SWIGLU_H_
