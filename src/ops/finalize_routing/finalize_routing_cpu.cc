@@ -1,5 +1,11 @@
-// CPU kernels of finalize routing forward (§4.5) and grad (§3.5). One token row per iteration,
-// fp32 accumulation in a per-thread row buffer, fixed summation order (D16).
+// CPU kernels of finalize routing forward (§4.5) and grad (§3.5), compiled once per SIMD target
+// (Highway; the row loops are vectorised by the compiler for each target) and dispatched at run
+// time. One token row per iteration, fp32 accumulation in a per-thread row buffer, fixed
+// summation order (D16).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/finalize_routing/finalize_routing_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -7,10 +13,12 @@
 #include "core/dtype.h"
 #include "core/math.h"
 #include "core/parallel.h"
+#include "hwy/highway.h"
 #include "ops/finalize_routing/finalize_routing.h"
 
+HWY_BEFORE_NAMESPACE();
 namespace moegrad {
-
+namespace HWY_NAMESPACE {
 namespace {
 
 int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
@@ -117,7 +125,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t
 
 }  // namespace
 
-void finalize_routing_cpu(const FinalizeRoutingPlan& p) {
+void FinalizeForward(const FinalizeRoutingPlan& p) {
   const DType sdt = p.has_scales ? p.scales.dtype : p.expanded_x.dtype;
   dispatch_float(p.expanded_x.dtype, "expanded_x", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -129,7 +137,7 @@ void finalize_routing_cpu(const FinalizeRoutingPlan& p) {
   });
 }
 
-void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& p) {
+void FinalizeBackward(const FinalizeRoutingGradPlan& p) {
   // Rows of grad_expanded_x that no valid index addresses are zeroed; the others are written
   // exactly once by the scatter below (indices are unique, D6).
   std::vector<unsigned char> covered(static_cast<size_t>(p.rows), 0);
@@ -158,4 +166,20 @@ void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& p) {
   });
 }
 
+}  // namespace HWY_NAMESPACE
 }  // namespace moegrad
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace moegrad {
+HWY_EXPORT(FinalizeForward);
+HWY_EXPORT(FinalizeBackward);
+
+void finalize_routing_cpu(const FinalizeRoutingPlan& plan) {
+  HWY_DYNAMIC_DISPATCH(FinalizeForward)(plan);
+}
+void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan) {
+  HWY_DYNAMIC_DISPATCH(FinalizeBackward)(plan);
+}
+}  // namespace moegrad
+#endif  // HWY_ONCE

@@ -1,6 +1,10 @@
-// CPU kernels of the gating top-k forward (§2.4) and backward (§1.5). One token row per
-// iteration, fp32 math, per-thread scratch rows; rows are independent, so any thread count gives
-// the same bits (D16).
+// CPU kernels of the gating top-k forward (§2.4) and backward (§1.5), compiled once per SIMD
+// target (Highway) and dispatched at run time. One token row per iteration, fp32 math,
+// per-thread scratch rows; rows are independent, so any thread count gives the same bits (D16).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/gating_topk/gating_topk_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,59 +13,97 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "core/math.h"
 #include "core/parallel.h"
+#include "core/simd-inl.h"
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
 #include "ops/gating_topk/gating_topk.h"
 
+#ifndef MOEGRAD_GATING_TOPK_CPU_ONCE_
+#define MOEGRAD_GATING_TOPK_CPU_ONCE_
 namespace moegrad {
-
-namespace {
+namespace gating_detail {
 
 // Strict total order for ranking (L2): larger first, NaN above all numbers, ties to lower index.
-struct RankBefore {
-  const float* score;
-  bool operator()(int32_t a, int32_t b) const {
-    const float sa = score[a], sb = score[b];
-    const bool na = std::isnan(sa), nb = std::isnan(sb);
-    if (na || nb) return na != nb ? na : a < b;
-    if (sa != sb) return sa > sb;
-    return a < b;
-  }
-};
+inline bool rank_before(const float* score, int32_t a, int32_t b) {
+  const float sa = score[a], sb = score[b];
+  const bool na = std::isnan(sa), nb = std::isnan(sb);
+  if (na || nb) return na != nb ? na : a < b;
+  if (sa != sb) return sa > sb;
+  return a < b;
+}
 
-template <typename T>
-void normalise_row(const T* x, int64_t n, int64_t norm_type, float* out) {
-  if (norm_type == 0) {
+// The first k of [0, n) in rank order, written to out[0..k). Insertion into a sorted list of
+// k for small k (one pass, O(n) compares when few candidates qualify), partial sort otherwise.
+inline void top_k(const float* score, int32_t n, int32_t k, int32_t* out, int32_t* scratch) {
+  if (k <= 32) {
+    int32_t len = 0;
+    for (int32_t j = 0; j < n; ++j) {
+      if (len == k && !rank_before(score, j, out[k - 1])) continue;
+      int32_t pos = len < k ? len++ : k - 1;
+      while (pos > 0 && rank_before(score, j, out[pos - 1])) {
+        out[pos] = out[pos - 1];
+        --pos;
+      }
+      out[pos] = j;
+    }
+    return;
+  }
+  std::iota(scratch, scratch + n, 0);
+  std::partial_sort(scratch, scratch + k, scratch + n,
+                    [score](int32_t a, int32_t b) { return rank_before(score, a, b); });
+  std::copy(scratch, scratch + k, out);
+}
+
+}  // namespace gating_detail
+}  // namespace moegrad
+#endif  // MOEGRAD_GATING_TOPK_CPU_ONCE_
+
+HWY_BEFORE_NAMESPACE();
+namespace moegrad {
+namespace HWY_NAMESPACE {
+namespace {
+
+using gating_detail::rank_before;
+using gating_detail::top_k;
+
+// norm[0..n) = softmax / sigmoid / sqrt-softplus of the fp32 logits in `logits` (padded).
+void Normalise(const float* logits, int64_t n, int64_t norm_type, float* norm) {
+  if (norm_type == 1) {
+    map_chunk(logits, norm, n, [](DF d, VF v) { return Sigmoid(d, v); });
+  } else if (norm_type == 2) {
+    map_chunk(logits, norm, n, [](DF d, VF v) { return SqrtSoftplus(d, v); });
+  } else {
     float m = -std::numeric_limits<float>::infinity();
     bool has_nan = false;
     for (int64_t j = 0; j < n; ++j) {
-      const float v = to_f32(x[j]);
-      has_nan |= std::isnan(v);
-      m = v > m ? v : m;
+      has_nan |= std::isnan(logits[j]);
+      m = logits[j] > m ? logits[j] : m;
     }
+    map_chunk(logits, norm, n, [m](DF d, VF v) { return ExpNaN(d, hn::Sub(v, hn::Set(d, m))); });
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      out[j] = std::exp(to_f32(x[j]) - m);
-      sum += out[j];
-    }
-    if (has_nan) sum = std::numeric_limits<float>::quiet_NaN();
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < n; ++j) out[j] *= inv;
-  } else if (norm_type == 1) {
-    for (int64_t j = 0; j < n; ++j) out[j] = stable_sigmoid(to_f32(x[j]));
-  } else {
-    for (int64_t j = 0; j < n; ++j) out[j] = std::sqrt(stable_softplus(to_f32(x[j])));
+    for (int64_t j = 0; j < n; ++j) sum += norm[j];
+    const float inv = has_nan ? std::numeric_limits<float>::quiet_NaN() : 1.0f / sum;
+    for (int64_t j = 0; j < n; ++j) norm[j] *= inv;
   }
 }
 
 template <typename T>
-void gating_rows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
+void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
   const GatingTopKAttrs& a = p.attrs;
   const int64_t N = p.N, K = a.k, G = a.group_count, gsize = N / G;
-  std::vector<float> norm(N), score(N), gscore(G);
-  std::vector<int32_t> order(N), gorder(G);
+  const size_t np = padded(static_cast<size_t>(N));
+  auto buf = hwy::AllocateAligned<float>(3 * np);
+  std::fill(buf.get(), buf.get() + 3 * np, 0.0f);
+  float* logits = buf.get();
+  float* norm = logits + np;
+  float* score = norm + np;
+  std::vector<float> gscore(G);
+  std::vector<int32_t> order(N), scratch(N), gorder(G), gscratch(G);
+  std::vector<char> kept(G);
   const T* x = typed<T>(p.x);
-  const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
+  std::vector<float> bias(p.has_bias ? N : 0);
+  if (p.has_bias) load_chunk(typed<T>(p.bias), bias.data(), N);
   T* y = typed<T>(p.y);
   int32_t* idx = typed<int32_t>(p.expert_idx);
   float* norm_out = typed<float>(p.norm_out);
@@ -71,42 +113,27 @@ void gating_rows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   for (int64_t r = begin; r < end; ++r) {
-    normalise_row(x + r * N, N, a.norm_type, norm.data());
-    if (bias) {
-      for (int64_t j = 0; j < N; ++j) score[j] = norm[j] + to_f32(bias[j]);
-    } else {
-      std::copy(norm.begin(), norm.end(), score.begin());
-    }
+    load_chunk(x + r * N, logits, N);
+    Normalise(logits, N, a.norm_type, norm);
+    for (int64_t j = 0; j < N; ++j) score[j] = p.has_bias ? norm[j] + bias[j] : norm[j];
     if (p.grouped) {
       for (int64_t g = 0; g < G; ++g) {
-        const float* s = score.data() + g * gsize;
-        if (a.group_select_mode == 0) {
-          int32_t best = 0;
-          for (int32_t j = 1; j < gsize; ++j) best = RankBefore{s}(j, best) ? j : best;
-          gscore[g] = s[best];
-        } else {
-          int32_t b0 = 0, b1 = 1;
-          if (RankBefore{s}(b1, b0)) std::swap(b0, b1);
-          for (int32_t j = 2; j < gsize; ++j) {
-            if (RankBefore{s}(j, b0)) {
-              b1 = b0;
-              b0 = j;
-            } else if (RankBefore{s}(j, b1)) {
-              b1 = j;
-            }
-          }
-          gscore[g] = s[b0] + s[b1];
-        }
-        gorder[g] = static_cast<int32_t>(g);
+        const float* s = score + g * gsize;
+        int32_t best[2];
+        const int32_t take = a.group_select_mode == 0 ? 1 : 2;
+        top_k(s, static_cast<int32_t>(gsize), take, best, nullptr);
+        gscore[g] = take == 1 ? s[best[0]] : s[best[0]] + s[best[1]];
       }
-      std::partial_sort(gorder.begin(), gorder.begin() + a.k_group, gorder.end(),
-                        RankBefore{gscore.data()});
-      for (int64_t i = a.k_group; i < G; ++i) {
-        std::fill_n(score.data() + gorder[i] * gsize, gsize, neg_inf);
+      top_k(gscore.data(), static_cast<int32_t>(G), static_cast<int32_t>(a.k_group),
+            gorder.data(), gscratch.data());
+      // Experts of the groups not kept become ineligible.
+      std::fill(kept.begin(), kept.end(), 0);
+      for (int64_t i = 0; i < a.k_group; ++i) kept[gorder[i]] = 1;
+      for (int64_t g = 0; g < G; ++g) {
+        if (!kept[g]) std::fill_n(score + g * gsize, gsize, neg_inf);
       }
     }
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), RankBefore{score.data()});
+    top_k(score, static_cast<int32_t>(N), static_cast<int32_t>(K), order.data(), scratch.data());
 
     float sum = 0.0f;
     for (int64_t k = 0; k < K; ++k) sum += norm[order[k]];
@@ -119,7 +146,7 @@ void gating_rows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
     }
     float* nrow = norm_out + r * N;
     if (a.out_flag) {
-      std::memcpy(nrow, norm.data(), sizeof(float) * N);
+      std::memcpy(nrow, norm, sizeof(float) * N);
     } else {
       std::memset(nrow, 0, sizeof(float) * N);
     }
@@ -127,7 +154,7 @@ void gating_rows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
 }
 
 template <typename T>
-void gating_backward_rows(const GatingTopKBackwardPlan& p, int64_t begin, int64_t end) {
+void BackwardRows(const GatingTopKBackwardPlan& p, int64_t begin, int64_t end) {
   const int64_t N = p.N, K = p.K;
   const float rsf = static_cast<float>(p.attrs.routed_scaling_factor);
   const float eps = static_cast<float>(p.attrs.eps);
@@ -162,23 +189,38 @@ void gating_backward_rows(const GatingTopKBackwardPlan& p, int64_t begin, int64_
 }
 
 // Rows per chunk: enough work per thread to amortise the fork.
-int64_t grain_for(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+int64_t GrainFor(int64_t row_elems) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
+}
 
 }  // namespace
 
-void gating_top_k_cpu(const GatingTopKPlan& p) {
+void GatingForward(const GatingTopKPlan& p) {
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.M, grain_for(p.N), [&](int64_t b, int64_t e) { gating_rows<T>(p, b, e); });
+    parallel_for(p.M, GrainFor(p.N), [&](int64_t b, int64_t e) { ForwardRows<T>(p, b, e); });
   });
 }
 
-void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& p) {
+void GatingBackward(const GatingTopKBackwardPlan& p) {
   dispatch_float(p.grad_y.dtype, "grad_y", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.M, grain_for(p.N),
-                 [&](int64_t b, int64_t e) { gating_backward_rows<T>(p, b, e); });
+    parallel_for(p.M, GrainFor(p.N), [&](int64_t b, int64_t e) { BackwardRows<T>(p, b, e); });
   });
 }
 
+}  // namespace HWY_NAMESPACE
 }  // namespace moegrad
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace moegrad {
+HWY_EXPORT(GatingForward);
+HWY_EXPORT(GatingBackward);
+
+void gating_top_k_cpu(const GatingTopKPlan& plan) { HWY_DYNAMIC_DISPATCH(GatingForward)(plan); }
+void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& plan) {
+  HWY_DYNAMIC_DISPATCH(GatingBackward)(plan);
+}
+}  // namespace moegrad
+#endif  // HWY_ONCE

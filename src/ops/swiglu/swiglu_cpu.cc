@@ -1,53 +1,78 @@
-// CPU kernels of SwiGLU forward (§6.4 without quantisation) and backward (§5.5). Contiguous
-// row loops, fp32 math, rows past the group_index total zero-filled.
+// CPU kernels of SwiGLU forward (§6.4 without quantisation) and backward (§5.5), compiled once
+// per SIMD target (Highway) and dispatched at run time. Rows split across threads; each row in
+// chunks widened to fp32 in L1 scratch; rows past the group_index total are zero-filled.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/swiglu/swiglu_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
 #include <algorithm>
 #include <cstring>
 
 #include "core/dtype.h"
 #include "core/math.h"
 #include "core/parallel.h"
+#include "core/simd-inl.h"
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
 #include "ops/swiglu/swiglu.h"
 
+HWY_BEFORE_NAMESPACE();
 namespace moegrad {
-
+namespace HWY_NAMESPACE {
 namespace {
 
-int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+int64_t GrainRows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 
-// Clamp of §5.5 step 2; NaN passes through.
-inline float clamp_gate(float v, float c) { return v > c ? c : v; }
-inline float clamp_up(float v, float c) { return v > c ? c : (v < -c ? -c : v); }
+// The clamp of §5.5 step 2 (x0 <- min(x0, c); x1 <- clamp(x1, -c, c)); NaN passes through.
+struct Clamp {
+  VF c, nc;
+  bool on;
+  Clamp(DF d, float limit) : c(hn::Set(d, limit)), nc(hn::Set(d, -limit)), on(limit > 0.0f) {}
+  VF gate(VF v) const { return on ? hn::IfThenElse(hn::Gt(v, c), c, v) : v; }
+  VF up(VF v) const {
+    return on ? hn::IfThenElse(hn::Gt(v, c), c, hn::IfThenElse(hn::Lt(v, nc), nc, v)) : v;
+  }
+};
 
 template <typename T>
-void swiglu_rows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end) {
+void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end) {
+  const DF d;
+  const size_t N = hn::Lanes(d);
   const int64_t H = p.H;
   const T* x = typed<T>(p.x);
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   T* y = typed<T>(p.y);
-  const float c = p.clamp;
-  const bool clamp = c > 0.0f;
+  const Clamp clamp(d, p.clamp);
+  auto buf = hwy::AllocateAligned<float>(3 * kChunk);
+  std::fill(buf.get(), buf.get() + 3 * kChunk, 0.0f);
+  float* a = buf.get();
+  float* b = a + kChunk;
+  float* o = b + kChunk;
   for (int64_t t = begin; t < end; ++t) {
     T* yr = y + t * H;
     if (t >= active) {
       std::memset(static_cast<void*>(yr), 0, sizeof(T) * H);
       continue;
     }
-    const T* x0 = x + t * 2 * H;
-    const T* x1 = x0 + H;
-    const float wt = w ? w[t] : 1.0f;
-    for (int64_t h = 0; h < H; ++h) {
-      float a = to_f32(x0[h]), b = to_f32(x1[h]);
-      if (clamp) {
-        a = clamp_gate(a, c);
-        b = clamp_up(b, c);
+    const VF vw = hn::Set(d, w ? w[t] : 1.0f);
+    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
+      load_chunk(x + t * 2 * H + h0, a, n);
+      load_chunk(x + t * 2 * H + H + h0, b, n);
+      for (size_t i = 0; i < padded(n); i += N) {
+        const VF va = clamp.gate(hn::Load(d, a + i));
+        const VF vb = clamp.up(hn::Load(d, b + i));
+        hn::Store(hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw), d, o + i);
       }
-      yr[h] = from_f32<T>(a * stable_sigmoid(a) * b * wt);
+      store_chunk(o, yr + h0, n);
     }
   }
 }
 
 template <typename T>
-void swiglu_grad_rows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_t end) {
+void BackwardRows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_t end) {
+  const DF d;
+  const size_t N = hn::Lanes(d);
   const int64_t H = p.H;
   const T* gy = typed<T>(p.grad_y);
   const T* x = typed<T>(p.x);
@@ -55,40 +80,48 @@ void swiglu_grad_rows(const SwigluGradPlan& p, int64_t active, int64_t begin, in
   const T* yo = p.has_grad_weight ? typed<T>(p.y_origin) : nullptr;
   T* gx = typed<T>(p.grad_x);
   float* gw = p.has_grad_weight ? typed<float>(p.grad_weight) : nullptr;
-  const float c = p.clamp;
-  const bool clamp = c > 0.0f;
+  const Clamp clamp(d, p.clamp);
+  const VF one = hn::Set(d, 1.0f);
+  auto buf = hwy::AllocateAligned<float>(5 * kChunk);
+  std::fill(buf.get(), buf.get() + 5 * kChunk, 0.0f);
+  float* a = buf.get();
+  float* b = a + kChunk;
+  float* g = b + kChunk;
+  float* ga = g + kChunk;
+  float* gb = ga + kChunk;
   for (int64_t t = begin; t < end; ++t) {
     T* g0 = gx + t * 2 * H;
-    T* g1 = g0 + H;
     if (t >= active) {
       std::memset(static_cast<void*>(g0), 0, sizeof(T) * 2 * H);
       if (gw) gw[t] = 0.0f;
       continue;
     }
-    const T* x0 = x + t * 2 * H;
-    const T* x1 = x0 + H;
     const T* gyr = gy + t * H;
-    const float wt = w ? w[t] : 1.0f;
-    for (int64_t h = 0; h < H; ++h) {
-      const float a0 = to_f32(x0[h]), b0 = to_f32(x1[h]);
-      float a = a0, b = b0;
-      if (clamp) {
-        a = clamp_gate(a, c);
-        b = clamp_up(b, c);
+    const VF vw = hn::Set(d, w ? w[t] : 1.0f);
+    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
+      load_chunk(x + t * 2 * H + h0, a, n);
+      load_chunk(x + t * 2 * H + H + h0, b, n);
+      load_chunk(gyr + h0, g, n);
+      for (size_t i = 0; i < padded(n); i += N) {
+        const VF a0 = hn::Load(d, a + i), b0 = hn::Load(d, b + i);
+        const VF va = clamp.gate(a0), vb = clamp.up(b0);
+        const VF gyw = hn::Mul(hn::Load(d, g + i), vw);
+        const VF s = Sigmoid(d, va);
+        const VF silu = hn::Mul(va, s);
+        const VF dsilu = hn::Mul(s, hn::Add(one, hn::Mul(va, hn::Sub(one, s))));
+        VF vga = hn::Mul(hn::Mul(gyw, vb), dsilu);
+        VF vgb = hn::Mul(gyw, silu);
+        if (clamp.on) {
+          // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
+          vga = hn::IfThenElseZero(hn::Lt(a0, clamp.c), vga);
+          vgb = hn::IfThenElseZero(hn::And(hn::Gt(b0, clamp.nc), hn::Lt(b0, clamp.c)), vgb);
+        }
+        hn::Store(vga, d, ga + i);
+        hn::Store(vgb, d, gb + i);
       }
-      const float gyw = to_f32(gyr[h]) * wt;
-      const float s = stable_sigmoid(a);
-      const float silu = a * s;
-      const float dsilu = s * (1.0f + a * (1.0f - s));
-      float ga = gyw * b * dsilu;
-      float gb = gyw * silu;
-      if (clamp) {
-        // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
-        ga = a0 < c ? ga : 0.0f;
-        gb = (b0 > -c && b0 < c) ? gb : 0.0f;
-      }
-      g0[h] = from_f32<T>(ga);
-      g1[h] = from_f32<T>(gb);
+      store_chunk(ga, g0 + h0, n);
+      store_chunk(gb, g0 + H + h0, n);
     }
     if (gw) {
       const T* yr = yo + t * H;
@@ -100,22 +133,34 @@ void swiglu_grad_rows(const SwigluGradPlan& p, int64_t active, int64_t begin, in
 
 }  // namespace
 
-void swiglu_cpu(const SwigluPlan& p) {
+void SwigluForward(const SwigluPlan& p) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.T, grain_rows(p.H),
-                 [&](int64_t b, int64_t e) { swiglu_rows<T>(p, active, b, e); });
+    parallel_for(p.T, GrainRows(p.H),
+                 [&](int64_t b, int64_t e) { ForwardRows<T>(p, active, b, e); });
   });
 }
 
-void swiglu_grad_cpu(const SwigluGradPlan& p) {
+void SwigluBackward(const SwigluGradPlan& p) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.T, grain_rows(p.H),
-                 [&](int64_t b, int64_t e) { swiglu_grad_rows<T>(p, active, b, e); });
+    parallel_for(p.T, GrainRows(p.H),
+                 [&](int64_t b, int64_t e) { BackwardRows<T>(p, active, b, e); });
   });
 }
 
+}  // namespace HWY_NAMESPACE
 }  // namespace moegrad
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace moegrad {
+HWY_EXPORT(SwigluForward);
+HWY_EXPORT(SwigluBackward);
+
+void swiglu_cpu(const SwigluPlan& plan) { HWY_DYNAMIC_DISPATCH(SwigluForward)(plan); }
+void swiglu_grad_cpu(const SwigluGradPlan& plan) { HWY_DYNAMIC_DISPATCH(SwigluBackward)(plan); }
+}  // namespace moegrad
+#endif  // HWY_ONCE

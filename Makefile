@@ -1,0 +1,50 @@
+# Newcomer entry points (see README):  make demo   |   make test
+# Every target installs what it needs: Debian packages, a virtual environment in .venv, and
+# moegrad itself (rebuilt only when a source file changed).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+JOBS ?= $(shell nproc)
+SOURCES := $(shell find src include python cmake -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
+CPP_TEST_SOURCES := $(shell find tests/cpp tests/consumer examples -type f 2>/dev/null)
+
+.PHONY: demo test test-python test-cpp bench setup clean
+
+demo: $(VENV)/.installed
+	$(PY) -m moegrad.demo $(ARGS)
+
+test: test-python test-cpp
+
+test-python: $(VENV)/.installed
+	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
+
+test-cpp: build/cpp/.built
+	ctest --test-dir build/cpp --output-on-failure -j $(JOBS)
+
+bench: $(VENV)/.installed
+	$(PY) -m moegrad.bench $(ARGS)
+
+setup: $(VENV)/.installed
+
+build/.system-deps: scripts/install-system-deps.sh
+	bash scripts/install-system-deps.sh
+	@mkdir -p build && touch $@
+
+$(VENV)/.deps: requirements-dev.txt build/.system-deps
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.deps $(SOURCES)
+	$(PY) -m pip install -q --no-build-isolation --no-deps .
+	touch $@
+
+build/cpp/.built: $(VENV)/.deps $(SOURCES) $(CPP_TEST_SOURCES)
+	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON >/dev/null
+	cmake --build build/cpp -j $(JOBS)
+	touch $@
+
+clean:
+	rm -rf build
