@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
+#include <functional>
 #include <vector>
 
 #include "core/dtype.h"
@@ -24,34 +24,40 @@
 namespace moegrad {
 namespace gating_detail {
 
-// Strict total order for ranking (L2): larger first, NaN above all numbers, ties to lower index.
-inline bool rank_before(const float* score, int32_t a, int32_t b) {
-  const float sa = score[a], sb = score[b];
-  const bool na = std::isnan(sa), nb = std::isnan(sb);
-  if (na || nb) return na != nb ? na : a < b;
-  if (sa != sb) return sa > sb;
-  return a < b;
+// Ranking key (L2): one unsigned compare orders larger scores first, NaN above every number,
+// +0 == -0, and equal scores by lower index. Key 0 is below every score (excluded experts).
+inline uint64_t rank_key(float v, int32_t index) {
+  uint32_t u = f32_bits(v + 0.0f);  // -0 -> +0
+  if (std::isnan(v)) {
+    u = 0xffffffffu;
+  } else {
+    u ^= (u & 0x80000000u) ? 0xffffffffu : 0x80000000u;  // monotone float -> unsigned map
+  }
+  return (static_cast<uint64_t>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(index));
+}
+inline int32_t key_index(uint64_t key) {
+  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
 }
 
-// The first k of [0, n) in rank order, written to out[0..k). Insertion into a sorted list of
-// k for small k (one pass, O(n) compares when few candidates qualify), partial sort otherwise.
-inline void top_k(const float* score, int32_t n, int32_t k, int32_t* out, int32_t* scratch) {
+// The k largest keys of keys[0..n), largest first, into out[0..k). Insertion into a sorted
+// list for small k (one pass; most candidates fail the first compare), partial sort otherwise.
+inline void top_k(const uint64_t* keys, int32_t n, int32_t k, uint64_t* out, uint64_t* scratch) {
   if (k <= 32) {
     int32_t len = 0;
     for (int32_t j = 0; j < n; ++j) {
-      if (len == k && !rank_before(score, j, out[k - 1])) continue;
+      const uint64_t key = keys[j];
+      if (len == k && key <= out[k - 1]) continue;
       int32_t pos = len < k ? len++ : k - 1;
-      while (pos > 0 && rank_before(score, j, out[pos - 1])) {
+      while (pos > 0 && key > out[pos - 1]) {
         out[pos] = out[pos - 1];
         --pos;
       }
-      out[pos] = j;
+      out[pos] = key;
     }
     return;
   }
-  std::iota(scratch, scratch + n, 0);
-  std::partial_sort(scratch, scratch + k, scratch + n,
-                    [score](int32_t a, int32_t b) { return rank_before(score, a, b); });
+  std::copy(keys, keys + n, scratch);
+  std::partial_sort(scratch, scratch + k, scratch + n, std::greater<uint64_t>());
   std::copy(scratch, scratch + k, out);
 }
 
@@ -64,7 +70,8 @@ namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
-using gating_detail::rank_before;
+using gating_detail::key_index;
+using gating_detail::rank_key;
 using gating_detail::top_k;
 
 // norm[0..n) = softmax / sigmoid / sqrt-softplus of the fp32 logits in `logits` (padded).
@@ -98,8 +105,8 @@ void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
   float* logits = buf.get();
   float* norm = logits + np;
   float* score = norm + np;
-  std::vector<float> gscore(G);
-  std::vector<int32_t> order(N), scratch(N), gorder(G), gscratch(G);
+  std::vector<uint64_t> keys(N), best(N), scratch(N), gkeys(G), gbest(G), gscratch(G);
+  std::vector<int32_t> order(K);
   std::vector<char> kept(G);
   const T* x = typed<T>(p.x);
   std::vector<float> bias(p.has_bias ? N : 0);
@@ -110,30 +117,38 @@ void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
   const float rsf = static_cast<float>(a.routed_scaling_factor);
   const float eps = static_cast<float>(a.eps);
   const bool renorm = a.norm_type != 0 || a.renorm == 1;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
   for (int64_t r = begin; r < end; ++r) {
     load_chunk(x + r * N, logits, N);
     Normalise(logits, N, a.norm_type, norm);
-    for (int64_t j = 0; j < N; ++j) score[j] = p.has_bias ? norm[j] + bias[j] : norm[j];
+    for (int64_t j = 0; j < N; ++j) {
+      keys[j] = rank_key(p.has_bias ? norm[j] + bias[j] : norm[j], static_cast<int32_t>(j));
+    }
     if (p.grouped) {
+      const int32_t take = a.group_select_mode == 0 ? 1 : 2;
       for (int64_t g = 0; g < G; ++g) {
-        const float* s = score + g * gsize;
-        int32_t best[2];
-        const int32_t take = a.group_select_mode == 0 ? 1 : 2;
-        top_k(s, static_cast<int32_t>(gsize), take, best, nullptr);
-        gscore[g] = take == 1 ? s[best[0]] : s[best[0]] + s[best[1]];
+        uint64_t gb[2];
+        top_k(keys.data() + g * gsize, static_cast<int32_t>(gsize), take, gb, nullptr);
+        // Scores are recomputed from the winners' indices (keys carry the order only).
+        float gs = 0.0f;
+        for (int32_t t = 0; t < take; ++t) {
+          const int64_t j = key_index(gb[t]);  // a global expert index
+          gs += p.has_bias ? norm[j] + bias[j] : norm[j];
+        }
+        gkeys[g] = rank_key(gs, static_cast<int32_t>(g));
       }
-      top_k(gscore.data(), static_cast<int32_t>(G), static_cast<int32_t>(a.k_group),
-            gorder.data(), gscratch.data());
-      // Experts of the groups not kept become ineligible.
+      top_k(gkeys.data(), static_cast<int32_t>(G), static_cast<int32_t>(a.k_group), gbest.data(),
+            gscratch.data());
+      // Experts of the groups not kept rank below every eligible one.
       std::fill(kept.begin(), kept.end(), 0);
-      for (int64_t i = 0; i < a.k_group; ++i) kept[gorder[i]] = 1;
+      for (int64_t i = 0; i < a.k_group; ++i) kept[key_index(gbest[i])] = 1;
       for (int64_t g = 0; g < G; ++g) {
-        if (!kept[g]) std::fill_n(score + g * gsize, gsize, neg_inf);
+        if (!kept[g]) std::fill_n(keys.data() + g * gsize, gsize, uint64_t{0});
       }
     }
-    top_k(score, static_cast<int32_t>(N), static_cast<int32_t>(K), order.data(), scratch.data());
+    top_k(keys.data(), static_cast<int32_t>(N), static_cast<int32_t>(K), best.data(),
+          scratch.data());
+    for (int64_t k = 0; k < K; ++k) order[k] = key_index(best[k]);
 
     float sum = 0.0f;
     for (int64_t k = 0; k < K; ++k) sum += norm[order[k]];
