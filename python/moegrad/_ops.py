@@ -35,6 +35,17 @@ def _index32(t: Optional[Tensor], op: str, name: str, code: int) -> Optional[Ten
     return t.contiguous()
 
 
+def _needs(ctx, n: int) -> Tuple[bool, ...]:
+    """needs_input_grad padded to the schema's n inputs (torch drops trailing defaults)."""
+    got = tuple(ctx.needs_input_grad)
+    return got + (False,) * (n - len(got))
+
+
+def _args(inputs, defaults):
+    """The op's inputs with the trailing defaults torch dropped filled back in."""
+    return tuple(inputs) + tuple(defaults[len(inputs):])
+
+
 def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=like.device)
 
@@ -87,7 +98,8 @@ def _(x_norm, grad_y, expert_idx, renorm=0, norm_type=1, routed_scaling_factor=1
 
 
 def _gating_setup(ctx, inputs, output):
-    x, _k, _bias, _kg, _gc, _gsm, renorm, norm_type, out_flag, rsf, eps = inputs
+    x, _k, _bias, _kg, _gc, _gsm, renorm, norm_type, out_flag, rsf, eps = _args(
+        inputs, (None, None, None, 1, 1, 0, 0, 0, False, 1.0, 1e-20))
     _y, idx, norm = output
     ctx.save_for_backward(x, idx, norm)
     ctx.attrs = (renorm, norm_type, out_flag, rsf, eps)
@@ -191,9 +203,12 @@ def _present(t: Optional[Tensor]) -> bool:
 
 
 def _finalize_setup(ctx, inputs, output):
-    expanded_x, idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, k = inputs
+    expanded_x, idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, k = _args(
+        inputs, (None,) * 7 + (0, 1))
     ctx.mode = 0 if drop_pad_mode is None else drop_pad_mode
-    ctx.k = 1 if k is None else k
+    # The forward's own K (L4: scales, expert_idx, or len(idx) / R), so backward always agrees.
+    rows = output.shape[0]
+    ctx.k = idx.shape[0] // rows if rows > 0 else (1 if k is None else k)
     ctx.has_scales = _present(scales)
     ctx.has_bias = _present(bias)
     ctx.save_for_backward(expanded_x, idx, scales if ctx.has_scales else None,
@@ -205,7 +220,7 @@ def _finalize_backward(ctx, grad_out):
         raise NotImplementedError(
             "moegrad.moe_finalize_routing: backward supports drop_pad_mode 0 and 1 (column "
             f"layout) like CANN's autograd (spec §7.3); got drop_pad_mode={ctx.mode}")
-    needs = ctx.needs_input_grad
+    needs = _needs(ctx, 9)
     if needs[2] or needs[3] or needs[4]:
         warnings.warn("moegrad.moe_finalize_routing: gradients of x1, x2 and bias are not "
                       "computed (returned as None, spec §7.3); add residuals outside the op",
@@ -279,16 +294,17 @@ def _(grad_y, x, weight=None, y_origin=None, group_index=None, clamp_limit=-1.0)
 
 
 def _swiglu_setup(ctx, inputs, output):
-    x, weight, group_index, clamp_limit = inputs
+    x, weight, group_index, clamp_limit = _args(inputs, (None, None, None, -1.0))
     ctx.clamp_limit = clamp_limit
     ctx.save_for_backward(x, weight, group_index)
 
 
 def _swiglu_backward(ctx, grad_y):
     x, weight, group_index = ctx.saved_tensors
+    needs = _needs(ctx, 4)
     y_origin = None
     if weight is not None:
-        if ctx.needs_input_grad[1]:
+        if needs[1]:
             # The backward needs the UNWEIGHTED activation (D10): recompute it.
             y_origin = swiglu_group(x, None, group_index, ctx.clamp_limit)
         else:
@@ -296,7 +312,7 @@ def _swiglu_backward(ctx, grad_y):
             y_origin = grad_y
     grad_x, grad_w = swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index,
                                                  ctx.clamp_limit)
-    want_w = weight is not None and ctx.needs_input_grad[1]
+    want_w = weight is not None and needs[1]
     return grad_x, (grad_w.to(weight.dtype) if want_w else None), None, None
 
 

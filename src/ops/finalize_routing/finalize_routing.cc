@@ -75,6 +75,8 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
     R = x1->shape[0];
   } else {
     v.check_shape(k_hint >= 1, "k", cat("must be >= 1; got ", k_hint));
+    v.check_shape(n_idx % k_hint == 0, "k",
+                  cat("must divide the length of expanded_row_idx (", n_idx, "); got ", k_hint));
     R = n_idx / k_hint;
   }
   int64_t K;
@@ -100,6 +102,12 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   v.check_shape(n_idx == R * K, "expanded_row_idx",
                 cat("length must equal R * K (", R, " * ", K, " = ", R * K, "); got ", n_idx));
   if (bias) v.check_shape(bias->shape[0] >= 1, "bias", cat("dim 0 (E) must be >= 1; got ", bias->shape[0]));
+  if (bias && drop_pad) v.dim(*bias, "bias", 0, ex->shape[0], "expanded_x's expert count E");
+  if (!drop_pad) {
+    // Fewer rows than R*K is an active_num-truncated expanded_x (L5); more is a caller bug.
+    v.check_shape(ex->shape[0] <= R * K, "expanded_x",
+                  cat("dim 0 must be <= R * K (", R * K, ") in dropless modes; got ", ex->shape[0]));
+  }
   if (with_outputs) v.shape(*out, "out", {R, H});
 
   const int64_t rows = drop_pad ? ex->shape[0] * ex->shape[1] : ex->shape[0];

@@ -1,6 +1,7 @@
 // Validation, shape inference and planning of the SwiGLU operators (spec §5.6, D9, D11).
 #include "ops/swiglu/swiglu.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/check.h"
@@ -49,14 +50,16 @@ Shape half_last(const TensorView& x) {
 
 int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, int64_t T) {
   if (!has_group_index) return T;
-  // Host tensors are summed here; the CUDA path sums on the device.
+  // Host tensors are summed here; the CUDA path sums on the device. Partial sums saturate so
+  // huge counts cannot overflow; negative entries count (L8).
+  constexpr int64_t kCap = int64_t{1} << 62;
   const int64_t* g = static_cast<const int64_t*>(group_index->data);
   int64_t sum = 0;
   for (int64_t i = 0; i < group_index->numel(); ++i) {
-    sum += g[i];
-    if (sum > T) return T;  // clipped (§5.7); stops early so huge counts cannot overflow
+    const int64_t v = std::max(-kCap, std::min(kCap, g[i]));
+    sum = std::max(-kCap, std::min(kCap, sum + v));
   }
-  return sum < 0 ? 0 : sum;
+  return std::max<int64_t>(0, std::min(sum, T));
 }
 
 SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
