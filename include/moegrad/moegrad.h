@@ -58,7 +58,8 @@ enum class DType : int32_t {
 
 enum class Device : int32_t { kCPU = 1, kCUDA = 2 };
 
-constexpr int kMaxDims = 8;
+// Views hold up to 16 dims so that rank rules (e.g. SwiGLU's 1..8) report a named shape error.
+constexpr int kMaxDims = 16;
 
 // A non-owning strided view. Strides are in elements. The C API requires contiguous views
 // (D19); the Python front makes inputs contiguous before calling.

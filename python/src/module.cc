@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "core/check.h"
 #include "moegrad/moegrad.h"
 
 namespace nb = nanobind;
@@ -39,7 +40,7 @@ class Args {
     if (!h) return nullptr;
     const nb::ndarray<>& a = *h;
     if (a.ndim() > static_cast<size_t>(kMaxDims)) {
-      throw Error(kErrParamInvalid, "tensor: rank must be at most 8");
+      throw Error(kErrParamInvalid, cat("tensor: rank must be at most ", kMaxDims, "; got ", a.ndim()));
     }
     TensorView v;
     v.data = a.data();

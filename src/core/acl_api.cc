@@ -103,7 +103,7 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
   aclnnStatus st = api_guard([&] {
     if (viewDimsNum > static_cast<uint64_t>(moegrad::kMaxDims)) {
       throw Error(moegrad::kErrParamInvalid,
-                  cat("aclCreateTensor: viewDimsNum: must be <= 8; got ", viewDimsNum));
+                  cat("aclCreateTensor: viewDimsNum: must be <= ", moegrad::kMaxDims, "; got ", viewDimsNum));
     }
     if (viewDimsNum > 0 && viewDims == nullptr) {
       throw Error(moegrad::kErrNullptr, "aclCreateTensor: viewDims: must not be null; got null");

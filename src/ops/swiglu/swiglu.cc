@@ -12,6 +12,8 @@ namespace moegrad {
 
 namespace {
 
+constexpr int kMaxRank = 8;  // §5.3: ranks 1..8 (2..8 documented, 1 accepted by the host check)
+
 // clamp_limit is -1.0 (off) or > 0 (D11); compared in fp32 as the device does.
 float check_clamp(const Validator& v, double clamp_limit) {
   const float c = static_cast<float>(clamp_limit);
@@ -29,7 +31,7 @@ int64_t leading(const TensorView& t) {
 
 void check_weight(const Validator& v, const TensorView& w, int64_t T) {
   v.same_dtype(w, "weight", DType::kFloat32, "float32");
-  v.rank_in(w, "weight", 1, kMaxDims);
+  v.rank_in(w, "weight", 1, kMaxRank);
   v.check_shape(w.numel() == T, "weight",
                 cat("element count must equal the token count T (product of x's leading dims, ",
                     T, "); got ", w.numel(), " in ", shape_str(w)));
@@ -85,7 +87,7 @@ SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
     v.layout(*y, "y", dev);
   }
   p.clamp = check_clamp(v, a.clamp_limit);
-  v.rank_in(*x, "x", 1, kMaxDims);
+  v.rank_in(*x, "x", 1, kMaxRank);
   const int64_t D = x->shape[x->ndim - 1];
   v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
   const int64_t T = leading(*x);
@@ -137,8 +139,8 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
     if (gw) v.layout(*gw, "grad_weight", dev);
   }
   p.clamp = check_clamp(v, a.clamp_limit);
-  v.rank_in(*x, "x", 1, kMaxDims);
-  v.rank_in(*gy, "grad_y", 1, kMaxDims);
+  v.rank_in(*x, "x", 1, kMaxRank);
+  v.rank_in(*gy, "grad_y", 1, kMaxRank);
   v.check_shape(gy->ndim == x->ndim, "grad_y",
                 cat("rank must equal x's rank (", x->ndim, "); got ", gy->ndim));
   const int64_t D = x->shape[x->ndim - 1];
