@@ -7,31 +7,20 @@ messages, and hand out seeded generators.
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 import torch
 
-MAX_I64 = (1 << 63) - 1
 
 
 # --------------------------------------------------------------------------------- seeding --
 
-def draw_seed() -> int:
-    env = os.environ.get("MOEGRAD_TEST_SEED")
-    if env is not None:
-        return int(env, 0)
-    return int.from_bytes(os.urandom(4), "little")
-
-
 @pytest.fixture
-def gen(request):
-    """A torch.Generator seeded from os.urandom (or MOEGRAD_TEST_SEED), seed printed."""
-    seed = draw_seed()
-    print(f"\n[{request.node.name}] MOEGRAD_TEST_SEED={seed}")
-    g = torch.Generator().manual_seed(seed)
-    return g
+def gen(seed):
+    """A torch.Generator seeded by conftest's `seed` fixture (os.urandom or MOEGRAD_TEST_SEED,
+    printed), so a failing run replays with MOEGRAD_TEST_SEED=<seed>."""
+    return torch.Generator().manual_seed(seed)
 
 
 def randn(g, *shape, dtype=torch.float32, scale=1.0):
@@ -117,6 +106,23 @@ def assert_names_one_of(msg: str, names) -> None:
         names = (names,)
     assert any(names_argument(msg, n) for n in names), \
         f"error message does not name any of {names!r}: {msg!r}"
+
+
+# ------------------------------------------------------------------------- tolerances -----
+
+def assert_close_tol(out, ref, dtype=None, what="output", n_reduce=1, scale=None):
+    """conftest.assert_close_to_ref (the ONE tolerance table) for a torch float64 reference.
+
+    The default `scale` (magnitude of the terms, see conftest.TOLERANCES) is the largest |ref|
+    of the whole tensor: gradients are sums and differences of terms of about that size."""
+    import conftest
+    r = ref.detach().double()
+    if scale is None:
+        scale = float(r.abs().max()) if r.numel() else 0.0
+    if isinstance(scale, torch.Tensor):
+        scale = scale.detach().double().numpy()
+    conftest.assert_close_to_ref(out.detach(), r.numpy(), dtype=dtype or out.dtype, scale=scale,
+                                 n_reduce=n_reduce, what=what)
 
 
 # ------------------------------------------------------------------------------ threads ----

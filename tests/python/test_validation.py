@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import moegrad
-from _util_validation import (assert_fully_written, assert_names_one_of, contains_int, gen,  # noqa: F401
+from _util_validation import gen  # noqa: F401  (fixture)
+from _util_validation import (assert_fully_written, assert_names_one_of, contains_int,
                               noncontig, poison, rand, randn, randperm, same_bytes, snapshot,
                               upstream)
 
@@ -58,6 +59,10 @@ def b_gating_bwd(g, M=4, N=16, K=4, dtype=F32, renorm=0, norm_type=1, rsf=1.0, e
         grad_x=torch.empty(M, N, dtype=dtype))
 
 
+def _eid(g, E, R, K):
+    return torch.randint(0, E, (R, K), generator=g, dtype=I64).to(I32)
+
+
 def _drop_pad_idx(g, n, slots, drops=()):
     idx = torch.randperm(slots, generator=g)[:n].to(I32)
     for p in drops:
@@ -80,7 +85,7 @@ def b_fin_fwd(g, R=4, K=2, H=8, E=3, C=4, mode=0, dtype=F32, scales=True, bias=T
         x2=randn(g, R, H, dtype=dtype) if x2 else None,
         bias=randn(g, E, H, dtype=dtype) if bias else None,
         scales=rand(g, R, K, dtype=scales_dtype or dtype) if scales else None,
-        expert_idx=torch.randint(0, E, (R, K), generator=g, dtype=I64).to(I32) if expert_idx else None,
+        expert_idx=_eid(g, E, R, K) if expert_idx else None,
         drop_pad_mode=mode, out=torch.empty(R, H, dtype=dtype))
 
 
@@ -99,12 +104,12 @@ def b_fin_grad(g, R=4, K=2, H=8, E=3, C=4, mode=0, active_num=0, dtype=F32, scal
         grad_y=upstream(g, R, H, dtype=dtype), expanded_row_idx=idx,
         expanded_x=randn(g, *ex_shape, dtype=dtype) if expanded_x else None,
         scales=rand(g, R, K, dtype=dtype) if has_scales else None,
-        expert_idx=torch.randint(0, E, (R, K), generator=g, dtype=I64).to(I32) if expert_idx else None,
+        expert_idx=_eid(g, E, R, K) if expert_idx else None,
         bias=randn(g, E, H, dtype=dtype) if bias else None,
         drop_pad_mode=mode, active_num=active_num,
         expert_num=E if mode == 1 else 0, expert_capacity=C if mode == 1 else 0,
         grad_expanded_x=torch.empty(*ex_shape, dtype=dtype),
-        grad_scales=torch.empty(R, K, dtype=dtype) if has_scales else torch.empty(R, 1, dtype=dtype))
+        grad_scales=torch.empty(R, K if has_scales else 1, dtype=dtype))
 
 
 def b_swiglu_fwd(g, T=6, H=8, dtype=F32, weight=True, group_index=True, clamp=-1.0, lead=None):
@@ -190,7 +195,8 @@ def new(key, *shape, dtype=None):
     """Replace d[key] by a tensor of another shape (same dtype; floats random, ints zero)."""
     def m(d, g):
         dt = dtype or d[key].dtype
-        d[key] = randn(g, *shape, dtype=dt) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
+        d[key] = (randn(g, *shape, dtype=dt) if dt.is_floating_point
+                  else torch.zeros(shape, dtype=dt))
     return m
 
 
@@ -266,6 +272,7 @@ for arg in ("x", "bias", "y", "expert_idx", "norm_out"):
 case("x-rank1", G, {}, new("x", 16), TILING, "x")
 case("x-rank3", G, {}, new("x", 1, 4, 16), TILING, "x")
 case("x-rank0", G, {}, new("x"), TILING, "x")
+case("x-rank9", G, {}, new("x", 1, 1, 1, 1, 1, 1, 1, 4, 16), TILING, "x")
 case("N-2049", G, dict(N=2049, k=1, k_group=1, group_count=1, bias=False), None, TILING, "x",
      [[2049]])
 case("N-0", G, dict(N=0, k=1, k_group=1, group_count=1, bias=False), None, TILING, ("x", "k"))
@@ -391,6 +398,7 @@ case("expanded_row_idx-rank2", G, {}, reshape("expanded_row_idx", 8, 1), FINALIZ
 for arg, shp in (("x1", (4, 8, 1)), ("x2", (32,)), ("bias", (24,)), ("scales", (8,)),
                  ("expert_idx", (4, 2, 1))):
     case(f"{arg}-rank", G, {}, new(arg, *shp), FINALIZE, arg)
+case("x1-rank9", G, {}, new("x1", 1, 1, 1, 1, 1, 1, 1, 4, 8), FINALIZE, "x1")
 case("expert_idx-dim1-ne-scales-dim1", G, {}, new("expert_idx", 4, 3), FINALIZE,
      ("expert_idx", "scales"))
 case("x1-rows", G, {}, new("x1", 5, 8), FINALIZE, "x1")
@@ -406,6 +414,7 @@ case("H-0", G, dict(H=0), None, FINALIZE, ("expanded_x", "out", "x1", "x2", "bia
 case("expanded_x-cols", G, dict(x1=False, x2=False, bias=False), new("expanded_x", 8, 9),
      FINALIZE, ("expanded_x", "out"))
 case("idx-numel-ne-RK", G, {}, new("expanded_row_idx", 7), FINALIZE, "expanded_row_idx")
+case("K-0", G, dict(K=0), None, FINALIZE, ("scales", "expert_idx", "expanded_row_idx"))
 case("L4-no-scales-numel-not-multiple-of-R", G,
      dict(R=3, K=2, scales=False, expert_idx=False, bias=False),
      lambda d, g: d.__setitem__("expanded_row_idx", randperm(g, 7)),
@@ -490,7 +499,8 @@ case("expanded_x-rows-active_num", G, dict(active_num=5), new("expanded_x", 8, 8
 case("expanded_x-EC-mode1", G, dict(mode=1), new("expanded_x", 3, 5, 8), FINALIZE, "expanded_x")
 case("expanded_x-cols", G, {}, new("expanded_x", 8, 9), FINALIZE, "expanded_x")
 case("scales-rows", G, {}, new("scales", 5, 2), FINALIZE, "scales")
-case("scales-numel", G, dict(bias=False, expert_idx=False), chain(new("scales", 4, 3), new("grad_scales", 4, 3)), FINALIZE,
+case("scales-numel", G, dict(bias=False, expert_idx=False),
+     chain(new("scales", 4, 3), new("grad_scales", 4, 3)), FINALIZE,
      ("scales", "expanded_row_idx"))
 case("bias-without-expert_idx", G, {}, none("expert_idx"), FINALIZE, ("expert_idx", "bias"))
 case("expert_idx-rank1", G, {}, new("expert_idx", 8), FINALIZE, "expert_idx")
@@ -515,6 +525,8 @@ case("grad_scales-rows", G, {}, new("grad_scales", 5, 2), FINALIZE, "grad_scales
 case("grad_scales-numel", G, {}, new("grad_scales", 4, 3), FINALIZE, "grad_scales")
 case("grad_scales-rank1", G, {}, new("grad_scales", 8), FINALIZE, "grad_scales")
 case("H-0", G, dict(H=0), None, FINALIZE, ("grad_y", "expanded_x", "grad_expanded_x", "bias"))
+case("K-0", G, dict(K=0), None, FINALIZE,
+     ("scales", "expert_idx", "expanded_row_idx", "grad_scales"))
 RKg = dict(R=7, K=3, E=4, C=8)
 case("D6-mode0-too-large", G, RKg, set_raw("expanded_row_idx", 13, 37), FINALIZE,
      "expanded_row_idx", [[37], [13]])
@@ -558,6 +570,9 @@ case("weight-3d-lead-mismatch", G, dict(lead=(2, 3)), new("weight", 3, 3, dtype=
      "weight")
 case("group_index-rank2", G, {}, new("group_index", 3, 1), TILING, "group_index")
 case("group_index-rank0", G, {}, new("group_index"), TILING, "group_index")
+case("x-rank9", G, dict(weight=False),
+     chain(new("x", 1, 1, 1, 1, 1, 1, 1, 6, 16), new("y", 1, 1, 1, 1, 1, 1, 1, 6, 8)), TILING,
+     "x")
 case("y-cols", G, {}, new("y", 6, 9), TILING, "y")
 case("y-rows", G, {}, new("y", 7, 8), TILING, "y")
 case("y-rank3", G, {}, new("y", 1, 6, 8), TILING, "y")
@@ -600,6 +615,9 @@ case("grad_x-rank3", G, {}, new("grad_x", 1, 6, 16), TILING, "grad_x")
 case("grad_weight-numel", G, {}, new("grad_weight", 7), TILING, "grad_weight")
 case("grad_weight-shape-ne-weight", G, {}, new("grad_weight", 6, 1), TILING, "grad_weight")
 case("H-0", G, dict(H=0), None, TILING, ("grad_y", "x", "y_origin", "grad_x"))
+case("rank9", G, dict(weight=False, y_origin=False),
+     chain(new("grad_y", 1, 1, 1, 1, 1, 1, 1, 6, 8), new("x", 1, 1, 1, 1, 1, 1, 1, 6, 16),
+           new("grad_x", 1, 1, 1, 1, 1, 1, 1, 6, 16)), TILING, ("grad_y", "x"))
 case("rank0", G, dict(weight=False, y_origin=False),
      chain(new("grad_y"), new("x"), new("grad_x")), TILING, ("grad_y", "x"))
 
@@ -954,14 +972,15 @@ def test_public_api_same_code(gen, fn, code, names):
 
 def test_public_ops_namespace_same_code(gen):
     """torch.ops.moegrad.* and moegrad.ops.* raise MoeError with the same code too."""
+    from moegrad.ops import moe_gating_top_k
     x = randn(gen, 4, 16)
     with pytest.raises(moegrad.MoeError) as ei:
-        moegrad.ops.moe_gating_top_k(x, 0)
+        moe_gating_top_k(x, 0)
     assert ei.value.code == TILING
-    with pytest.raises(RuntimeError) as ei2:
+    with pytest.raises(moegrad.MoeError) as ei2:
         torch.ops.moegrad.swiglu_group(randn(gen, 6, 16), None, None, 0.0)
-    assert getattr(ei2.value, "code", TILING) == TILING
-    assert "clamp_limit" in str(ei2.value)
+    assert ei2.value.code == TILING
+    assert_names_one_of(str(ei2.value), "clamp_limit")
 
 
 # ----------------------------------------------------------------------- D4 via the public API --
@@ -1005,7 +1024,9 @@ def test_D4_zero_rows_autograd(gen):
     sc = rand(gen, 0, 2).requires_grad_()
     out = moegrad.moe_finalize_routing(ex, torch.zeros(0, dtype=I32), scales=sc)
     out.sum().backward()
-    assert ex.grad.shape == (0, H) and sc.grad.shape == (0, 2)
+    assert ex.grad.shape == (0, H)
+    # §7.3: a tensor with numel 0 counts as absent, so empty scales may get a None gradient.
+    assert sc.grad is None or sc.grad.shape == (0, 2)
     xs = randn(gen, 0, 2 * H).requires_grad_()
     moegrad.swiglu_group(xs).sum().backward()
     assert xs.grad.shape == (0, 2 * H)
