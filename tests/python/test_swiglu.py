@@ -1,0 +1,300 @@
+"""SwiGLU forward (swiglu_group: L8, L9, D9-D12) and SwigluGroupQuantGrad (§5.5, D9-D12, L7, L8)
+against the float64 reference, through the public API and through moegrad._C with poisoned
+outputs."""
+
+import numpy as np
+import pytest
+import torch
+
+import moegrad
+import reference as ref
+from conftest import (TOLERANCES, assert_close_to_ref, dtype_params, poison, randn,
+                      unit_roundoff)
+
+APIS = ("public", "lowlevel")
+api_params = pytest.mark.parametrize("api", APIS)
+CLAMP = pytest.mark.parametrize("clamp_limit", [-1.0, 1.5], ids=["noclamp", "clamp1.5"])
+WEIGHT_SHAPES = pytest.mark.parametrize("wshape", [None, "T", "T1", "BS"],
+                                        ids=["noweight", "w[T]", "w[T,1]", "w[B,S]"])
+
+
+# ---------------------------------------------------------------------------------------------
+# runners and builders
+# ---------------------------------------------------------------------------------------------
+def run_forward(api, x, weight=None, group_index=None, clamp_limit=-1.0):
+    if api == "public":
+        return moegrad.swiglu_group(x, weight=weight, group_index=group_index,
+                                    clamp_limit=clamp_limit)
+    y = poison(torch.empty(tuple(x.shape[:-1]) + (x.shape[-1] // 2,), dtype=x.dtype))
+    moegrad._C.swiglu_group(x, weight, group_index, clamp_limit, y)
+    return y
+
+
+def run_backward(api, grad_y, x, weight=None, y_origin=None, group_index=None, clamp_limit=-1.0,
+                 want_grad_weight=True):
+    if api == "public":
+        return moegrad.swiglu_group_quant_backward(grad_y, x, weight=weight, y_origin=y_origin,
+                                                   group_index=group_index,
+                                                   clamp_limit=clamp_limit)
+    gx = poison(torch.empty(tuple(x.shape), dtype=x.dtype))
+    gw = None
+    if weight is not None and want_grad_weight:
+        gw = poison(torch.empty(tuple(weight.shape), dtype=torch.float32))
+    moegrad._C.swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index, clamp_limit,
+                                           gx, gw)
+    return gx, gw
+
+
+def make_case(rng, dtype, wshape, H=None, T=None, std=2.0):
+    """x [.., 2H] (3-D [B,S,2H] for w[B,S], else [T,2H]), weight fp32 of the asked shape,
+    grad_y and a random y_origin (the operator must use the y_origin it is given)."""
+    H = H if H is not None else int(rng.choice([1, 7, 16, 33, 257]))
+    if wshape == "BS":
+        B, S = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        lead, wsh = (B, S), (B, S)
+    else:
+        T = T if T is not None else int(rng.integers(1, 40))
+        lead = (T,)
+        wsh = {None: None, "T": (T,), "T1": (T, 1)}[wshape]
+    x = randn(lead + (2 * H,), dtype, rng, std=std)
+    weight = None if wsh is None else randn(wsh, torch.float32, rng)
+    grad_y = randn(lead + (H,), dtype, rng)
+    y_origin = randn(lead + (H,), dtype, rng) if weight is not None else None
+    return x, weight, grad_y, y_origin
+
+
+def check_forward(y, x, weight=None, group_index=None, clamp_limit=-1.0):
+    assert y.dtype == x.dtype and tuple(y.shape) == tuple(x.shape[:-1]) + (x.shape[-1] // 2,)
+    expected = ref.swiglu_group(x, weight, group_index, clamp_limit)
+    assert_close_to_ref(y, expected, x.dtype, what="y")
+
+
+def check_backward(out, grad_y, x, weight=None, y_origin=None, group_index=None,
+                   clamp_limit=-1.0, grad_weight_expected=True):
+    gx, gw = out
+    exp_gx, exp_gw = ref.swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index,
+                                                     clamp_limit)
+    mag_gx, mag_gw = ref.swiglu_backward_magnitude(grad_y, x, weight, y_origin, group_index,
+                                                   clamp_limit)
+    assert gx.dtype == x.dtype and tuple(gx.shape) == tuple(x.shape)
+    assert_close_to_ref(gx, exp_gx, x.dtype, scale=mag_gx, what="grad_x")
+    if weight is not None and grad_weight_expected:
+        assert gw.dtype == torch.float32 and tuple(gw.shape) == tuple(weight.shape)
+        H = grad_y.shape[-1]
+        assert_close_to_ref(gw, exp_gw, torch.float32, scale=mag_gw, n_reduce=H,
+                            what="grad_weight")
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+@api_params
+@CLAMP
+@WEIGHT_SHAPES
+@dtype_params
+def test_swiglu_forward_random_matches_reference(dtype, wshape, clamp_limit, api, rng):
+    x, weight, _, _ = make_case(rng, dtype, wshape)
+    check_forward(run_forward(api, x, weight, clamp_limit=clamp_limit), x, weight,
+                  clamp_limit=clamp_limit)
+
+
+GROUP_CASES = ["none", "below", "equal", "above", "empty", "negative_entry", "negative_sum"]
+
+
+def group_index_for(case, T, rng):
+    if case == "none":
+        return None
+    if case == "empty":
+        return torch.zeros((0,), dtype=torch.int64)
+    if case == "negative_sum":
+        return torch.tensor([1, -5, 2], dtype=torch.int64)
+    target = {"below": int(rng.integers(0, T)), "equal": T,
+              "above": T + int(rng.integers(1, 100)), "negative_entry": max(T - 3, 0)}[case]
+    G = int(rng.integers(1, 6))
+    parts = np.diff(np.sort(np.concatenate([[0, target], rng.integers(0, target + 1, G - 1)])))
+    if case == "negative_entry":
+        parts = np.concatenate([parts, [5, -5]])  # L8: negative entries are summed, not rejected
+    gi = torch.from_numpy(parts.astype(np.int64))
+    assert int(gi.sum()) == target
+    return gi
+
+
+@api_params
+@pytest.mark.parametrize("group_case", GROUP_CASES)
+@dtype_params
+def test_swiglu_forward_group_index_truncation(dtype, group_case, api, rng):
+    T = int(rng.integers(2, 30))
+    x, weight, _, _ = make_case(rng, dtype, "T", H=24, T=T)
+    gi = group_index_for(group_case, T, rng)
+    y = run_forward(api, x, weight, gi)
+    check_forward(y, x, weight, gi)
+    trunc = ref.swiglu_trunc(T, gi)
+    assert torch.all(y[trunc:] == 0), "rows >= sum(group_index) must be zero"
+
+
+@api_params
+@dtype_params
+def test_swiglu_forward_zero_tokens(dtype, api):
+    y = run_forward(api, torch.zeros((0, 64), dtype=dtype), torch.zeros((0,), dtype=torch.float32))
+    assert tuple(y.shape) == (0, 32) and y.dtype == dtype
+
+
+@api_params
+@dtype_params
+def test_swiglu_forward_clamp_at_exact_limits(dtype, api):
+    c = 1.5
+    x0 = [c, -c, c + 0.25, c - 0.25, 3.0, -3.0, 0.5, -0.5]
+    x1 = [-c, c, c + 0.25, -c - 0.25, 0.5, -0.5, c, -c]
+    x = torch.tensor([x0 + x1, x1 + x0], dtype=dtype)
+    for lim in (c, -1.0):
+        check_forward(run_forward(api, x, clamp_limit=lim), x, clamp_limit=lim)
+
+
+@api_params
+@dtype_params
+def test_swiglu_forward_large_inputs_give_no_nan(dtype, api):
+    # +100 / +1000 overflow a naive exp(x) / (1 + exp(x)); -1000 gives exactly silu = -0
+    x0 = [100.0, -100.0, 1000.0, -1000.0, 30.0, -30.0]
+    x1 = [1.0, 2.0, -1.0, 3.0, 0.5, -2.0]
+    x = torch.tensor([x0 + x1], dtype=dtype)
+    y = run_forward(api, x)
+    assert not torch.isnan(y).any()
+    check_forward(y, x)
+    assert y[0, 3] == 0.0 and y[0, 0] == 100.0 and y[0, 2] == -1000.0
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+@api_params
+@CLAMP
+@WEIGHT_SHAPES
+@dtype_params
+def test_swiglu_backward_random_matches_reference(dtype, wshape, clamp_limit, api, rng):
+    x, weight, gy, yo = make_case(rng, dtype, wshape)
+    out = run_backward(api, gy, x, weight, yo, clamp_limit=clamp_limit)
+    check_backward(out, gy, x, weight, yo, clamp_limit=clamp_limit)
+    if weight is None and api == "public":
+        gw = out[1]
+        assert gw.dtype == torch.float32 and tuple(gw.shape) == (0,), "no weight -> fp32 [0]"
+
+
+@api_params
+@pytest.mark.parametrize("group_case", GROUP_CASES)
+@dtype_params
+def test_swiglu_backward_group_index_truncation(dtype, group_case, api, rng):
+    T = int(rng.integers(2, 30))
+    x, weight, gy, yo = make_case(rng, dtype, "T", H=24, T=T)
+    gi = group_index_for(group_case, T, rng)
+    gx, gw = run_backward(api, gy, x, weight, yo, gi, clamp_limit=2.0)
+    check_backward((gx, gw), gy, x, weight, yo, gi, clamp_limit=2.0)
+    trunc = ref.swiglu_trunc(T, gi)
+    assert torch.all(gx[trunc:] == 0) and torch.all(gw[trunc:] == 0), "rows >= trunc zero"
+
+
+@api_params
+@dtype_params
+def test_swiglu_backward_zero_tokens(dtype, api):
+    x = torch.zeros((0, 64), dtype=dtype)
+    gx, gw = run_backward(api, torch.zeros((0, 32), dtype=dtype), x,
+                          torch.zeros((0,), dtype=torch.float32),
+                          torch.zeros((0, 32), dtype=dtype))
+    assert tuple(gx.shape) == (0, 64) and gx.dtype == dtype
+    assert tuple(gw.shape) == (0,) and gw.dtype == torch.float32
+
+
+@api_params
+@dtype_params
+def test_swiglu_backward_clamp_masks_gradient_at_exact_limits(dtype, api, rng):
+    # D11 / §5.5 step 6: gx0 zero where x0 >= c, gx1 zero where |x1| >= c (strict inequalities)
+    c = 1.5
+    x0 = [c, -c, c + 0.25, c - 0.25, 3.0, -3.0, 0.5, -0.5]
+    x1 = [-c, c, c + 0.25, -c - 0.25, 0.5, -0.5, c, -c]
+    x = torch.tensor([x0 + x1, x1 + x0], dtype=dtype)
+    gy = randn((2, 8), dtype, rng) + 3.0  # nonzero upstream gradient everywhere
+    w = torch.tensor([0.7, -1.3], dtype=torch.float32)
+    yo = randn((2, 8), dtype, rng)
+    gx, gw = run_backward(api, gy, x, w, yo, clamp_limit=c)
+    check_backward((gx, gw), gy, x, w, yo, clamp_limit=c)
+    xx = x.double()
+    masked0 = xx[:, :8] >= c
+    masked1 = xx[:, 8:].abs() >= c
+    assert torch.all(gx[:, :8][masked0] == 0) and torch.all(gx[:, 8:][masked1] == 0)
+    assert torch.all(gx[:, :8][~masked0] != 0) and torch.all(gx[:, 8:][~masked1] != 0)
+    # without clamp nothing is masked
+    gx, gw = run_backward(api, gy, x, w, yo, clamp_limit=-1.0)
+    check_backward((gx, gw), gy, x, w, yo)
+
+
+@api_params
+@dtype_params
+def test_swiglu_backward_large_inputs_give_no_nan(dtype, api, rng):
+    x0 = [100.0, -100.0, 1000.0, -1000.0, 30.0, -30.0]
+    x1 = [1.0, 2.0, -1.0, 3.0, 0.5, -2.0]
+    x = torch.tensor([x0 + x1, x1 + x0], dtype=dtype)
+    gy = randn((2, 6), dtype, rng)
+    w = torch.tensor([1.5, -0.5], dtype=torch.float32)
+    yo = randn((2, 6), dtype, rng)
+    gx, gw = run_backward(api, gy, x, w, yo)
+    assert not torch.isnan(gx).any() and not torch.isnan(gw).any()
+    check_backward((gx, gw), gy, x, w, yo)
+
+
+@dtype_params
+def test_swiglu_backward_lowlevel_without_grad_weight_output(dtype, rng):
+    # L7: with a weight, a null grad_weight output means "do not compute it"
+    x, weight, gy, yo = make_case(rng, dtype, "T")
+    gx, _ = run_backward("lowlevel", gy, x, weight, yo, want_grad_weight=False)
+    check_backward((gx, None), gy, x, weight, yo, grad_weight_expected=False)
+
+
+@api_params
+@dtype_params
+def test_swiglu_backward_y_origin_without_weight_is_ignored(dtype, api, rng):
+    x, _, gy, _ = make_case(rng, dtype, None)
+    yo = randn(tuple(gy.shape), dtype, rng)
+    gx, _ = run_backward(api, gy, x, None, yo)
+    check_backward((gx, None), gy, x)
+
+
+@dtype_params
+def test_swiglu_backward_with_forward_activation_gives_weight_gradient(dtype, rng):
+    # D10: y_origin is the UNWEIGHTED activation; grad_weight = sum_h grad_y * y_origin is then
+    # d<grad_y, y>/d weight for y = swiglu_group(x, weight)
+    x, weight, gy, _ = make_case(rng, dtype, "T1", H=40)
+    yo = moegrad.swiglu_group(x, clamp_limit=2.5)
+    gx, gw = moegrad.swiglu_group_quant_backward(gy, x, weight=weight, y_origin=yo,
+                                                 clamp_limit=2.5)
+    check_backward((gx, gw), gy, x, weight, yo, clamp_limit=2.5)
+    act = ref.swiglu_group(x, clamp_limit=2.5)  # float64 activation
+    exact = (ref.as_f64(gy) * act).sum(-1, keepdims=True)
+    # y_origin went through the dtype rounding: each term may be off by the dtype's rtol
+    mag = (np.abs(ref.as_f64(gy)) * np.abs(act)).sum(-1, keepdims=True)
+    tol = (2 * unit_roundoff(dtype) + TOLERANCES[torch.float32]["ctol"] * 8) * mag + 1e-30
+    err = np.abs(ref.as_f64(gw) - exact)
+    assert np.all(err <= tol), f"grad_weight vs d<grad_y, y>/d weight: max err {err.max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swiglu_forward_and_backward_large_multithreaded(dtype, three_threads, rng):
+    T, H = 512, 1024
+    x, weight, gy, yo = make_case(rng, dtype, "T", H=H, T=T)
+    gi = torch.tensor([200, 250], dtype=torch.int64)  # trunc = 450 < T
+    check_forward(run_forward("lowlevel", x, weight, gi, clamp_limit=3.0), x, weight, gi, 3.0)
+    out = run_backward("lowlevel", gy, x, weight, yo, gi, clamp_limit=3.0)
+    check_backward(out, gy, x, weight, yo, gi, clamp_limit=3.0)
+
+
+@api_params
+@dtype_params
+def test_swiglu_forward_infinite_inputs_follow_formula(dtype, api):
+    # L11: silu(+inf) = inf, silu(-inf) = -inf * 0 = NaN (as x * sigmoid(x) in PyTorch); with a
+    # clamp, min(+inf, c) = c is finite
+    inf = float("inf")
+    x = torch.tensor([[inf, -inf, 1.0, 2.0, 3.0, 0.5]], dtype=dtype)
+    y = run_forward(api, x)
+    assert torch.isinf(y[0, 0]) and y[0, 0] > 0 and torch.isnan(y[0, 1])
+    check_forward(y, x)
+    y = run_forward(api, x, clamp_limit=1.0)
+    assert torch.isfinite(y[0, 0])
+    check_forward(y, x, clamp_limit=1.0)
