@@ -62,6 +62,23 @@ HWY_INLINE VF SqrtSoftplus(DF d, VF x) {
   return hn::IfThenElse(hn::IsNaN(x), x, hn::Sqrt(sp));
 }
 
+// Sum of a(i) * b(i) over n terms in a fixed blocked order (8 partial sums, then a fixed tree),
+// so the bits do not depend on threads or on the SIMD target. Defined per target so the
+// accessor lambdas inline and the 8 partial sums vectorise.
+template <typename LoadA, typename LoadB>
+HWY_INLINE float Dot8(int64_t n, LoadA&& a, LoadB&& b) {
+  constexpr int kLanes = 8;
+  float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a(i + l) * b(i + l);
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += a(i) * b(i);
+  const float s01 = acc[0] + acc[1], s23 = acc[2] + acc[3];
+  const float s45 = acc[4] + acc[5], s67 = acc[6] + acc[7];
+  return (s01 + s23) + (s45 + s67);
+}
+
 // out[i] = f(in[i]) over a padded chunk.
 template <class F>
 HWY_INLINE void map_chunk(const float* HWY_RESTRICT in, float* HWY_RESTRICT out, size_t n, F f) {

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "core/dtype.h"
-#include "core/math.h"
 #include "core/parallel.h"
+#include "core/simd-inl.h"
 #include "hwy/highway.h"
 #include "ops/finalize_routing/finalize_routing.h"
 
@@ -109,13 +109,13 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t
       const T* xrow = valid ? ex + static_cast<int64_t>(d) * H : nullptr;
       float dot = 0.0f;
       if (xrow && brow) {
-        dot = blocked_dot(H, [&](int64_t j) { return to_f32(xrow[j]) + to_f32(brow[j]); },
+        dot = Dot8(H, [&](int64_t j) { return to_f32(xrow[j]) + to_f32(brow[j]); },
                           [&](int64_t j) { return g[j]; });
       } else if (xrow) {
-        dot = blocked_dot(H, [&](int64_t j) { return to_f32(xrow[j]); },
+        dot = Dot8(H, [&](int64_t j) { return to_f32(xrow[j]); },
                           [&](int64_t j) { return g[j]; });
       } else if (brow) {
-        dot = blocked_dot(H, [&](int64_t j) { return to_f32(brow[j]); },
+        dot = Dot8(H, [&](int64_t j) { return to_f32(brow[j]); },
                           [&](int64_t j) { return g[j]; });
       }
       gs[i] = from_f32<S>(dot);

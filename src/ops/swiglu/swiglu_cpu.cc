@@ -9,7 +9,6 @@
 #include <cstring>
 
 #include "core/dtype.h"
-#include "core/math.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
 #include "hwy/aligned_allocator.h"
@@ -125,7 +124,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_
     }
     if (gw) {
       const T* yr = yo + t * H;
-      gw[t] = blocked_dot(H, [&](int64_t h) { return to_f32(gyr[h]); },
+      gw[t] = Dot8(H, [&](int64_t h) { return to_f32(gyr[h]); },
                           [&](int64_t h) { return to_f32(yr[h]); });
     }
   }
