@@ -10,8 +10,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/dtype.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -42,6 +44,63 @@ HWY_INLINE void load_chunk(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, s
 template <typename T>
 HWY_INLINE void store_chunk(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = from_f32<T>(src[i]);
+}
+
+// Vector loads/stores of T widened to / narrowed from fp32 in registers, for the element types
+// whose conversion is exact or correctly rounded on every target: float, and bf16 (integer
+// round-to-nearest-even). fp16 goes through load_chunk/store_chunk (Highway's software fp16
+// demotion on targets without F16C truncates).
+template <typename T>
+struct InRegister : std::false_type {};
+template <>
+struct InRegister<float> : std::true_type {};
+template <>
+struct InRegister<bf16_t> : std::true_type {};
+
+HWY_INLINE VF LoadF(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
+HWY_INLINE VF LoadF(DF d, const bf16_t* HWY_RESTRICT p) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::Rebind<uint16_t, DF> du16;
+  const auto bits = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
+  return hn::BitCast(d, hn::ShiftLeft<16>(bits));
+}
+HWY_INLINE void StoreF(DF d, VF v, float* HWY_RESTRICT p) { hn::StoreU(v, d, p); }
+HWY_INLINE void StoreF(DF d, VF v, bf16_t* HWY_RESTRICT p) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::RebindToSigned<DF> di32;
+  const hn::Rebind<uint16_t, DF> du16;
+  const auto u = hn::BitCast(du32, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u));
+  auto r = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du32, 0x7fffu), lsb)));
+  const auto quiet = hn::Or(hn::ShiftRight<16>(u), hn::Set(du32, 0x40u));
+  r = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet, r);
+  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, r)), du16, reinterpret_cast<uint16_t*>(p));
+}
+
+// Like store_chunk, for destinations that are not read again soon (kernel outputs): whole
+// aligned vectors go out with non-temporal stores, which skip the read-for-ownership of each
+// destination cache line (a third of the traffic of a write-only stream). `stage` holds
+// kChunk elements of T (unused for float). Misaligned chunks fall back to store_chunk. Call
+// hwy::FlushStream() before the data is handed to another thread.
+template <typename T>
+HWY_INLINE void stream_chunk(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, size_t n,
+                             T* HWY_RESTRICT stage) {
+  const hn::ScalableTag<uint8_t> du8;
+  const size_t vbytes = hn::Lanes(du8);
+  const size_t bytes = n * sizeof(T);
+  if (reinterpret_cast<uintptr_t>(dst) % vbytes != 0 || bytes % vbytes != 0) {
+    store_chunk(src, dst, n);
+    return;
+  }
+  const uint8_t* from;
+  if constexpr (std::is_same_v<T, float>) {
+    from = reinterpret_cast<const uint8_t*>(src);
+  } else {
+    store_chunk(src, stage, n);
+    from = reinterpret_cast<const uint8_t*>(stage);
+  }
+  uint8_t* to = reinterpret_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < bytes; i += vbytes) hn::Stream(hn::LoadU(du8, from + i), du8, to + i);
 }
 
 // Stable logistic function: exp of a non-positive argument only, so no overflow; exact 0/1 at

@@ -42,11 +42,12 @@ void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   T* y = typed<T>(p.y);
   const Clamp clamp(d, p.clamp);
-  auto buf = hwy::AllocateAligned<float>(3 * kChunk);
-  std::fill(buf.get(), buf.get() + 3 * kChunk, 0.0f);
+  auto buf = hwy::AllocateAligned<float>(4 * kChunk);
+  std::fill(buf.get(), buf.get() + 4 * kChunk, 0.0f);
   float* a = buf.get();
   float* b = a + kChunk;
   float* o = b + kChunk;
+  T* stage = reinterpret_cast<T*>(o + kChunk);
   for (int64_t t = begin; t < end; ++t) {
     T* yr = y + t * H;
     if (t >= active) {
@@ -54,18 +55,31 @@ void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end
       continue;
     }
     const VF vw = hn::Set(d, w ? w[t] : 1.0f);
-    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-      const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
-      load_chunk(x + t * 2 * H + h0, a, n);
-      load_chunk(x + t * 2 * H + H + h0, b, n);
-      for (size_t i = 0; i < padded(n); i += N) {
-        const VF va = clamp.gate(hn::Load(d, a + i));
-        const VF vb = clamp.up(hn::Load(d, b + i));
-        hn::Store(hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw), d, o + i);
+    const T* x0 = x + t * 2 * H;
+    const T* x1 = x0 + H;
+    auto f = [&](VF va, VF vb) {
+      va = clamp.gate(va);
+      vb = clamp.up(vb);
+      return hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw);
+    };
+    int64_t h0 = 0;
+    if constexpr (InRegister<T>::value) {
+      // Whole vectors straight from and to memory; the tail goes through the chunk path.
+      for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+        StoreF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
       }
-      store_chunk(o, yr + h0, n);
+    }
+    for (; h0 < H; h0 += kChunk) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
+      load_chunk(x0 + h0, a, n);
+      load_chunk(x1 + h0, b, n);
+      for (size_t i = 0; i < padded(n); i += N) {
+        hn::Store(f(hn::Load(d, a + i), hn::Load(d, b + i)), d, o + i);
+      }
+      stream_chunk(o, yr + h0, n, stage);
     }
   }
+  hwy::FlushStream();
 }
 
 template <typename T>
@@ -81,13 +95,14 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_
   float* gw = p.has_grad_weight ? typed<float>(p.grad_weight) : nullptr;
   const Clamp clamp(d, p.clamp);
   const VF one = hn::Set(d, 1.0f);
-  auto buf = hwy::AllocateAligned<float>(5 * kChunk);
-  std::fill(buf.get(), buf.get() + 5 * kChunk, 0.0f);
+  auto buf = hwy::AllocateAligned<float>(6 * kChunk);
+  std::fill(buf.get(), buf.get() + 6 * kChunk, 0.0f);
   float* a = buf.get();
   float* b = a + kChunk;
   float* g = b + kChunk;
   float* ga = g + kChunk;
   float* gb = ga + kChunk;
+  T* stage = reinterpret_cast<T*>(gb + kChunk);
   for (int64_t t = begin; t < end; ++t) {
     T* g0 = gx + t * 2 * H;
     if (t >= active) {
@@ -96,38 +111,55 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_
       continue;
     }
     const T* gyr = gy + t * H;
+    const T* x0 = x + t * 2 * H;
+    const T* x1 = x0 + H;
     const VF vw = hn::Set(d, w ? w[t] : 1.0f);
-    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+    // (ga, gb) of §5.5 steps 2-6 for one vector of gate a0, up b0 and upstream gradient g.
+    auto f = [&](VF a0, VF b0, VF g, VF& vga, VF& vgb) {
+      const VF va = clamp.gate(a0), vb = clamp.up(b0);
+      const VF gyw = hn::Mul(g, vw);
+      const VF s = Sigmoid(d, va);
+      const VF silu = hn::Mul(va, s);
+      const VF dsilu = hn::Mul(s, hn::Add(one, hn::Mul(va, hn::Sub(one, s))));
+      vga = hn::Mul(hn::Mul(gyw, vb), dsilu);
+      vgb = hn::Mul(gyw, silu);
+      if (clamp.on) {
+        // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
+        vga = hn::IfThenElseZero(hn::Lt(a0, clamp.c), vga);
+        vgb = hn::IfThenElseZero(hn::And(hn::Gt(b0, clamp.nc), hn::Lt(b0, clamp.c)), vgb);
+      }
+    };
+    int64_t h0 = 0;
+    if constexpr (InRegister<T>::value) {
+      // Whole vectors straight from and to memory; the tail goes through the chunk path.
+      for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+        VF vga, vgb;
+        f(LoadF(d, x0 + h0), LoadF(d, x1 + h0), LoadF(d, gyr + h0), vga, vgb);
+        StoreF(d, vga, g0 + h0);
+        StoreF(d, vgb, g0 + H + h0);
+      }
+    }
+    for (; h0 < H; h0 += kChunk) {
       const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
-      load_chunk(x + t * 2 * H + h0, a, n);
-      load_chunk(x + t * 2 * H + H + h0, b, n);
+      load_chunk(x0 + h0, a, n);
+      load_chunk(x1 + h0, b, n);
       load_chunk(gyr + h0, g, n);
       for (size_t i = 0; i < padded(n); i += N) {
-        const VF a0 = hn::Load(d, a + i), b0 = hn::Load(d, b + i);
-        const VF va = clamp.gate(a0), vb = clamp.up(b0);
-        const VF gyw = hn::Mul(hn::Load(d, g + i), vw);
-        const VF s = Sigmoid(d, va);
-        const VF silu = hn::Mul(va, s);
-        const VF dsilu = hn::Mul(s, hn::Add(one, hn::Mul(va, hn::Sub(one, s))));
-        VF vga = hn::Mul(hn::Mul(gyw, vb), dsilu);
-        VF vgb = hn::Mul(gyw, silu);
-        if (clamp.on) {
-          // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
-          vga = hn::IfThenElseZero(hn::Lt(a0, clamp.c), vga);
-          vgb = hn::IfThenElseZero(hn::And(hn::Gt(b0, clamp.nc), hn::Lt(b0, clamp.c)), vgb);
-        }
+        VF vga, vgb;
+        f(hn::Load(d, a + i), hn::Load(d, b + i), hn::Load(d, g + i), vga, vgb);
         hn::Store(vga, d, ga + i);
         hn::Store(vgb, d, gb + i);
       }
-      store_chunk(ga, g0 + h0, n);
-      store_chunk(gb, g0 + H + h0, n);
+      stream_chunk(ga, g0 + h0, n, stage);
+      stream_chunk(gb, g0 + H + h0, n, stage);
     }
     if (gw) {
       const T* yr = yo + t * H;
       gw[t] = Dot8(H, [&](int64_t h) { return to_f32(gyr[h]); },
-                          [&](int64_t h) { return to_f32(yr[h]); });
+                   [&](int64_t h) { return to_f32(yr[h]); });
     }
   }
+  hwy::FlushStream();
 }
 
 }  // namespace
