@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
+#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "ops/finalize_routing/finalize_routing.h"
 
@@ -35,6 +36,7 @@ void finalize_rows(const FinalizeRoutingPlan& p, int64_t begin, int64_t end) {
   const int32_t* eidx = p.has_bias ? typed<int32_t>(p.expert_idx) : nullptr;
   T* out = typed<T>(p.out);
   std::vector<float> acc(H);
+  auto stage = hwy::AllocateAligned<T>(kChunk);
 
   for (int64_t r = begin; r < end; ++r) {
     if (x1) {
@@ -68,8 +70,12 @@ void finalize_rows(const FinalizeRoutingPlan& p, int64_t begin, int64_t end) {
       }
     }
     T* o = out + r * H;
-    for (int64_t j = 0; j < H; ++j) o[j] = from_f32<T>(acc[j]);
+    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+      stream_chunk(acc.data() + h0, o + h0, static_cast<size_t>(std::min<int64_t>(kChunk, H - h0)),
+                   stage.get());
+    }
   }
+  hwy::FlushStream();
 }
 
 template <typename T, typename S>
@@ -84,6 +90,8 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t
   T* gex = typed<T>(p.grad_expanded_x);
   S* gs = typed<S>(p.grad_scales);
   std::vector<float> g(H);
+  auto scaled = hwy::AllocateAligned<float>(kChunk);
+  auto stage = hwy::AllocateAligned<T>(kChunk);
 
   for (int64_t r = begin; r < end; ++r) {
     const T* gyr = gy + r * H;
@@ -94,8 +102,13 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t
       const bool valid = d >= 0 && d < p.rows;
       const float s = scales ? to_f32(scales[i]) : 1.0f;
       if (valid) {
+        // Streamed: grad_expanded_x is written once and not read back here.
         T* dst = gex + static_cast<int64_t>(d) * H;
-        for (int64_t j = 0; j < H; ++j) dst[j] = from_f32<T>(g[j] * s);
+        for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+          const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
+          for (size_t j = 0; j < n; ++j) scaled[j] = g[h0 + j] * s;
+          stream_chunk(scaled.get(), dst + h0, n, stage.get());
+        }
       }
       if (!scales) {
         gs[i] = from_f32<S>(0.0f);  // D5: zeros without scales
@@ -121,6 +134,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t
       gs[i] = from_f32<S>(dot);
     }
   }
+  hwy::FlushStream();
 }
 
 }  // namespace
