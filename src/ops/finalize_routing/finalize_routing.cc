@@ -12,6 +12,14 @@ namespace {
 void optional_layout(const Validator& v, const TensorView* t, const char* arg, Device dev) {
   if (t) v.layout(*t, arg, dev);
 }
+// D6 on host tensors: dropless indices lie in [0, limit) (limit = R*K), drop-pad indices in
+// [-1, limit) (limit = E*C); each valid value appears at most once.
+void check_expanded_row_idx(const Validator& v, const TensorView& idx, bool drop_pad,
+                            int64_t limit) {
+  check_index_range(v, kErrInnerNullptr, idx, "expanded_row_idx", drop_pad ? -1 : 0, limit);
+  check_index_unique(v, kErrInnerNullptr, idx, "expanded_row_idx", limit);
+}
+
 }  // namespace
 
 FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const TensorView* idx,
@@ -111,14 +119,7 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   if (with_outputs) v.shape(*out, "out", {R, H});
 
   const int64_t rows = drop_pad ? ex->shape[0] * ex->shape[1] : ex->shape[0];
-  // D6 value checks on host tensors.
-  if (drop_pad) {
-    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", -1, rows);
-    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", rows);
-  } else {
-    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", 0, R * K);
-    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", R * K);
-  }
+  check_expanded_row_idx(v, *idx, drop_pad, drop_pad ? rows : R * K);
   if (bias) check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, bias->shape[0]);
 
   p.expanded_x = *ex;
@@ -255,14 +256,7 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
     }
     v.shape(*gs, "grad_scales", gs_shape);
   }
-  // D6 value checks on host tensors.
-  if (mode == 0) {
-    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", 0, R * K);
-    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", R * K);
-  } else {
-    check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", -1, rows);
-    check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", rows);
-  }
+  check_expanded_row_idx(v, *idx, mode == 1, mode == 1 ? rows : R * K);
   if (bias_used) check_index_range(v, kErrInnerNullptr, *eidx_used, "expert_idx", 0, bias_used->shape[0]);
 
   p.grad_y = *gy;
