@@ -1,0 +1,914 @@
+"""moegrad benchmark: every operator at real MoE model shapes, against PyTorch eager and
+torch.compile of the same formula, with bytes moved, achieved bandwidth and roofline fraction.
+
+    python -m moegrad.bench                      # full run (tens of minutes on 2 cores)
+    python -m moegrad.bench --quick              # about a minute
+    python -m moegrad.bench --json docs/perf.json --plot docs/perf.png
+    python -m moegrad.bench --ops swiglu_group_quant_backward --models deepseek_v3 --tokens 4096
+    python -m moegrad.bench --from-json a.json,b.json --markdown results.md   # re-render, merge
+
+Method (details in docs/performance.md):
+* Per case (operator x model x dtype x token count) the inputs are built once, then cloned into
+  ``n_sets`` buffer sets whose total size exceeds the last-level cache (four times over), and
+  successive calls rotate through the sets, so a call does not find its data in cache
+  (``cold`` in the record says whether the rotation reached 2 x LLC; the tiniest cases are
+  capped at MAX_SETS sets and are warm, they measure call overhead anyway).
+* Four timings, same run, same threads, median over calls after warm-up:
+  ``ms_moegrad`` the public function (``moegrad.<op>``: custom-op dispatch, output allocation,
+  the kernel); ``ms_kernel`` the native call ``moegrad._C.<op>`` into preallocated, rotating
+  outputs; ``ms_eager`` the plain-PyTorch formula of ``moegrad.reference_torch``;
+  ``ms_compile`` ``torch.compile`` (inductor, static shapes) of that same formula.
+* ``bytes``: each input read once plus each output written once (BYTES table below).
+  ``gbps`` = bytes / ms_kernel, ``roofline_frac`` = gbps / copy bandwidth, where the copy
+  bandwidth is ``Tensor.copy_`` of a large buffer (4 x LLC, at least 128 MB) on the same
+  threads, counted as 2 x size (read + write), sampled right before each case (``copy_gbps``
+  of the record; the run's start and end values are in ``meta``).
+* Before timing, each case is checked once: moegrad's outputs against the eager formula (and
+  the compiled one against eager) with ``torch.testing.assert_close``; a mismatch is reported in
+  the table and in the record's ``check`` field, and makes the exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+import moegrad
+from moegrad import _C
+from moegrad import reference_torch as ref
+
+# ---------------------------------------------------------------------------------------------
+# Models (per-device shapes). H = model hidden size, F = expert (MoE FFN) hidden size, so the
+# SwiGLU input is [T*K, 2F]. Gating attributes as the models route.
+# ---------------------------------------------------------------------------------------------
+MODELS: Dict[str, dict] = {
+    # DeepSeek-V3: 256 routed experts, top-8, 8 groups keep 4 (group score = top-2 sum),
+    # sigmoid scores + selection bias, routed_scaling_factor 2.5.
+    "deepseek_v3": dict(E=256, K=8, group_count=8, k_group=4, group_select_mode=1,
+                        norm_type=1, renorm=0, rsf=2.5, bias=True, H=7168, F=2048, clamp=-1.0),
+    # Qwen3-235B-A22B: 128 experts, top-8, softmax + renormalised top-k (norm_topk_prob).
+    "qwen3_moe": dict(E=128, K=8, group_count=1, k_group=1, group_select_mode=0,
+                      norm_type=0, renorm=1, rsf=1.0, bias=False, H=4096, F=1536, clamp=-1.0),
+    # Mixtral-8x7B: 8 experts, top-2 (softmax over the chosen two = softmax + renorm).
+    "mixtral": dict(E=8, K=2, group_count=1, k_group=1, group_select_mode=0,
+                    norm_type=0, renorm=1, rsf=1.0, bias=False, H=4096, F=14336, clamp=-1.0),
+    # GPT-OSS-20B: 32 experts, top-4, clamped SwiGLU (limit 7.0).
+    "gpt_oss": dict(E=32, K=4, group_count=1, k_group=1, group_select_mode=0,
+                    norm_type=0, renorm=1, rsf=1.0, bias=False, H=2880, F=2880, clamp=7.0),
+}
+
+OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
+       "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward")
+BACKWARD_OPS = ("moe_gating_top_k_backward", "moe_finalize_routing_grad",
+                "swiglu_group_quant_backward")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FULL_TOKENS = (1, 16, 256, 1024, 4096, 16384)
+MAX_SETS = 4096               # rotation cap (tiny cases stay warm; see module docstring)
+DEFAULT_LLC = 64 << 20        # when the cache size cannot be read
+DEFAULT_MEM_LIMIT_GB = 6.0    # skip cases whose estimated footprint exceeds this
+
+# ---------------------------------------------------------------------------------------------
+# Bytes that must move: every input read once, every output written once.
+# s = element size of the case dtype (fp32 4, bf16/fp16 2); indices int32 (4), group_index
+# int64 (8); fp32 tensors by contract: x_norm/norm_out (gating), weight/grad_weight (SwiGLU).
+# M = T tokens, N = E experts, K = top-k, R = T tokens, H = hidden, Tk = T*K expanded rows,
+# F = expert hidden (SwiGLU x is [Tk, 2F]), G = E groups in group_index.
+# Checked against the actual tensors of every case (sum of nbytes).
+# ---------------------------------------------------------------------------------------------
+BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
+    "moe_gating_top_k": (
+        "x M*N*s + bias N*s (DeepSeek) + y M*K*s + expert_idx M*K*4 + norm_out M*N*4",
+        lambda M, N, K, s, has_bias, **_: M * N * s + (N * s if has_bias else 0)
+        + M * K * s + M * K * 4 + M * N * 4),
+    "moe_gating_top_k_backward": (
+        "x_norm M*N*4 + grad_y M*K*s + expert_idx M*K*4 + grad_x M*N*s",
+        lambda M, N, K, s, **_: M * N * 4 + M * K * s + M * K * 4 + M * N * s),
+    "moe_finalize_routing": (
+        "expanded_x R*K*H*s + expanded_row_idx R*K*4 + x1 R*H*s + scales R*K*s + out R*H*s",
+        lambda R, K, H, s, **_: R * K * H * s + R * K * 4 + R * H * s + R * K * s + R * H * s),
+    "moe_finalize_routing_grad": (
+        "grad_y R*H*s + expanded_row_idx R*K*4 + expanded_x R*K*H*s + scales R*K*s"
+        " + grad_expanded_x R*K*H*s + grad_scales R*K*s",
+        lambda R, K, H, s, **_: R * H * s + R * K * 4 + 2 * R * K * H * s + 2 * R * K * s),
+    "swiglu_group": (
+        "x Tk*2F*s + weight Tk*4 + group_index G*8 + y Tk*F*s",
+        lambda Tk, F, G, s, **_: Tk * 2 * F * s + Tk * 4 + G * 8 + Tk * F * s),
+    "swiglu_group_quant_backward": (
+        "grad_y Tk*F*s + x Tk*2F*s + weight Tk*4 + y_origin Tk*F*s + group_index G*8"
+        " + grad_x Tk*2F*s + grad_weight Tk*4",
+        lambda Tk, F, G, s, **_: Tk * F * s + Tk * 2 * F * s + Tk * 4 + Tk * F * s + G * 8
+        + Tk * 2 * F * s + Tk * 4),
+}
+
+# Peak memory of the eager formula's temporaries, in multiples of the case's bytes as if every
+# floating tensor were fp32 (peak RSS of the eager call measured at DeepSeek-V3 T=1024, rounded up). Used only to
+# decide which cases to skip.
+EAGER_TEMP_FACTOR = {
+    "moe_gating_top_k": 4.0, "moe_gating_top_k_backward": 3.5, "moe_finalize_routing": 0.6,
+    "moe_finalize_routing_grad": 0.8, "swiglu_group": 1.4, "swiglu_group_quant_backward": 2.3,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine facts
+# ---------------------------------------------------------------------------------------------
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().replace("IB", "").replace("B", "")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1] in mult:
+        return int(float(text[:-1]) * mult[text[-1]])
+    return int(text)
+
+
+def llc_bytes() -> Tuple[int, str]:
+    """Size of the last-level cache: sysfs, then lscpu, then DEFAULT_LLC."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = (0, 0)
+    try:
+        for entry in sorted(os.listdir(base)):
+            if not entry.startswith("index"):
+                continue
+            d = os.path.join(base, entry)
+            with open(os.path.join(d, "type")) as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(d, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(d, "size")) as f:
+                size = _parse_size(f.read())
+            best = max(best, (level, size))
+    except (OSError, ValueError):
+        pass
+    if best[1]:
+        return best[1], f"sysfs L{best[0]}"
+    try:
+        import subprocess
+        out = subprocess.run(["lscpu", "-B"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("L3 cache:"):
+                return int(line.split(":")[1].split()[0]), "lscpu L3"
+    except (OSError, ValueError, IndexError, Exception):  # noqa: BLE001 - best effort
+        pass
+    return DEFAULT_LLC, "default"
+
+
+def copy_bandwidth_gbps(threads: int, llc: int, allocations: int = 5, reps: int = 7) -> float:
+    """GB/s of dst.copy_(src), buffers of max(256 MB, 4 x LLC), counted 2 x size (read + write).
+
+    The bandwidth a buffer gets depends on where its pages land (it varies by +-20 % between
+    allocations on the development VM), so this is the median over `allocations` fresh buffer
+    pairs of the median of `reps` copies each -- the placement a kernel's buffers typically get.
+    """
+    torch.set_num_threads(threads)
+    nbytes = max(256 << 20, 4 * llc)
+    per_alloc = []
+    for _ in range(allocations):
+        src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+        dst = torch.empty_like(src).fill_(0.0)
+        for _ in range(2):
+            dst.copy_(src)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        per_alloc.append(2 * nbytes / statistics.median(times) / 1e9)
+        del src, dst
+    return statistics.median(per_alloc)
+
+
+class CopyProbe:
+    """A short copy-bandwidth sample taken right before each case (the VM shares its memory
+    bandwidth with its host: it drifts by tens of percent within minutes). One buffer pair of
+    max(128 MB, 4 x LLC) kept for the whole run; median of `reps` copies, 2 x size."""
+
+    def __init__(self, threads: int, llc: int):
+        self.threads = threads
+        self.nbytes = max(128 << 20, 4 * llc)
+        self.src = torch.empty(self.nbytes // 4, dtype=torch.float32).fill_(1.0)
+        self.dst = torch.empty_like(self.src).fill_(0.0)
+
+    def measure(self, reps: int = 5) -> float:
+        torch.set_num_threads(self.threads)
+        self.dst.copy_(self.src)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src)
+            times.append(time.perf_counter() - t0)
+        return 2 * self.nbytes / statistics.median(times) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    op: str
+    model: str
+    dtype: str
+    tokens: int
+    dims: Dict[str, int]
+    desc: str
+    bytes: int
+    bytes_f32: int                    # the same case if every floating tensor were fp32
+    make: Callable[[torch.Generator], "CaseData"]
+
+
+@dataclass
+class CaseData:
+    """One buffer set: the public call's args, the native call's args (outputs preallocated)."""
+    api_args: tuple
+    api_kwargs: dict
+    native_args: tuple                # inputs, attributes, outputs: _C.<op>(*native_args)
+    native_outputs: Tuple[Optional[Tensor], ...]
+    ref_args: tuple
+    ref_kwargs: dict
+
+
+def _randn(shape, dtype, g, scale=1.0):
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def _group_counts(total: int, groups: int, g: torch.Generator) -> Tensor:
+    owner = torch.randint(groups, (total,), generator=g)
+    return torch.bincount(owner, minlength=groups).to(torch.int64)
+
+
+def build_case(op: str, model: str, dtype_name: str, tokens: int) -> Case:
+    m = MODELS[model]
+    dt = DTYPES[dtype_name]
+    s = torch.empty((), dtype=dt).element_size()
+    E, K, H, F = m["E"], m["K"], m["H"], m["F"]
+    T = tokens
+    if op == "moe_gating_top_k":
+        dims = dict(M=T, N=E, K=K, s=s, has_bias=m["bias"])
+        desc = f"x[{T},{E}] k={K}" + (f" g{m['k_group']}/{m['group_count']}"
+                                      if m["group_count"] > 1 else "")
+        out_flag = m["norm_type"] == 1
+        attrs = (K, m["k_group"], m["group_count"], m["group_select_mode"], m["renorm"],
+                 m["norm_type"], out_flag, m["rsf"], 1e-20)
+
+        def make(g):
+            x = _randn((T, E), dt, g)
+            bias = _randn((E,), dt, g, 0.1) if m["bias"] else None
+            y = torch.empty((T, K), dtype=dt)
+            idx = torch.empty((T, K), dtype=torch.int32)
+            norm = torch.empty((T, E), dtype=torch.float32)
+            kw = dict(bias=bias, k_group=attrs[1], group_count=attrs[2],
+                      group_select_mode=attrs[3], renorm=attrs[4], norm_type=attrs[5],
+                      out_flag=attrs[6], routed_scaling_factor=attrs[7], eps=attrs[8])
+            return CaseData((x, K), kw, (x, bias) + attrs + (y, idx, norm), (y, idx, norm),
+                            (x, K), kw)
+    elif op == "moe_gating_top_k_backward":
+        dims = dict(M=T, N=E, K=K, s=s)
+        desc = f"x_norm[{T},{E}] k={K}"
+        attrs = (0, 1, m["rsf"], 1e-20)
+
+        def make(g):
+            x_norm = torch.sigmoid(torch.randn((T, E), generator=g))
+            grad_y = _randn((T, K), dt, g)
+            idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices.to(torch.int32)
+            grad_x = torch.empty((T, E), dtype=dt)
+            kw = dict(renorm=0, norm_type=1, routed_scaling_factor=m["rsf"], eps=1e-20)
+            return CaseData((x_norm, grad_y, idx), kw, (x_norm, grad_y, idx) + attrs + (grad_x,),
+                            (grad_x,), (x_norm, grad_y, idx), kw)
+    elif op == "moe_finalize_routing":
+        dims = dict(R=T, K=K, H=H, s=s)
+        desc = f"ex[{T * K},{H}] R={T} k={K}"
+
+        def make(g):
+            ex = _randn((T * K, H), dt, g)
+            idx = torch.randperm(T * K, generator=g).to(torch.int32)  # column layout, mode 0
+            x1 = _randn((T, H), dt, g)
+            scales = torch.rand((T, K), generator=g).to(dt)
+            out = torch.empty((T, H), dtype=dt)
+            kw = dict(x1=x1, scales=scales, drop_pad_mode=0)
+            return CaseData((ex, idx), kw, (ex, idx, x1, None, None, scales, None, 0, out),
+                            (out,), (ex, idx), kw)
+    elif op == "moe_finalize_routing_grad":
+        dims = dict(R=T, K=K, H=H, s=s)
+        desc = f"gy[{T},{H}] ex[{T * K},{H}] k={K}"
+
+        def make(g):
+            gy = _randn((T, H), dt, g)
+            idx = torch.randperm(T * K, generator=g).to(torch.int32)  # row layout
+            ex = _randn((T * K, H), dt, g)
+            scales = torch.rand((T, K), generator=g).to(dt)
+            gex = torch.empty((T * K, H), dtype=dt)
+            gsc = torch.empty((T, K), dtype=dt)
+            kw = dict(expanded_x=ex, scales=scales, drop_pad_mode=0)
+            return CaseData((gy, idx), kw, (gy, idx, ex, scales, None, None, 0, 0, 0, 0, gex, gsc),
+                            (gex, gsc), (gy, idx), kw)
+    elif op == "swiglu_group":
+        Tk = T * K
+        dims = dict(Tk=Tk, F=F, G=E, s=s)
+        desc = f"x[{Tk},{2 * F}]" + (f" clamp={m['clamp']:g}" if m["clamp"] > 0 else "")
+        clamp = m["clamp"]
+
+        def make(g):
+            x = _randn((Tk, 2 * F), dt, g, 2.0 if clamp > 0 else 1.0)
+            w = torch.rand((Tk,), generator=g)
+            gi = _group_counts(Tk, E, g)
+            y = torch.empty((Tk, F), dtype=dt)
+            kw = dict(weight=w, group_index=gi, clamp_limit=clamp)
+            return CaseData((x,), kw, (x, w, gi, clamp, y), (y,), (x,), kw)
+    elif op == "swiglu_group_quant_backward":
+        Tk = T * K
+        dims = dict(Tk=Tk, F=F, G=E, s=s)
+        desc = f"x[{Tk},{2 * F}]" + (f" clamp={m['clamp']:g}" if m["clamp"] > 0 else "")
+        clamp = m["clamp"]
+
+        def make(g):
+            gy = _randn((Tk, F), dt, g)
+            x = _randn((Tk, 2 * F), dt, g, 2.0 if clamp > 0 else 1.0)
+            w = torch.rand((Tk,), generator=g)
+            yo = _randn((Tk, F), dt, g)
+            gi = _group_counts(Tk, E, g)
+            gx = torch.empty((Tk, 2 * F), dtype=dt)
+            gw = torch.empty((Tk,), dtype=torch.float32)
+            kw = dict(weight=w, y_origin=yo, group_index=gi, clamp_limit=clamp)
+            return CaseData((gy, x), kw, (gy, x, w, yo, gi, clamp, gx, gw), (gx, gw), (gy, x), kw)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    nbytes = BYTES[op][1](**dims)
+    nbytes_f32 = BYTES[op][1](**dict(dims, s=4))
+    dims_public = {k: v for k, v in dims.items() if k not in ("s", "has_bias")}
+    dims_public["T"] = T
+    return Case(op, model, dtype_name, T, dims_public, desc, nbytes, nbytes_f32, make)
+
+
+def tensors_nbytes(data: CaseData) -> int:
+    """Sum of nbytes of every tensor the native call reads or writes (checks the BYTES table)."""
+    return sum(a.numel() * a.element_size() for a in data.native_args if isinstance(a, Tensor))
+
+
+def clone_set(data: CaseData) -> CaseData:
+    """A second buffer set with the same values at new addresses."""
+    memo: Dict[int, Tensor] = {}
+
+    def c(a):
+        if isinstance(a, Tensor):
+            if id(a) not in memo:
+                memo[id(a)] = a.clone()
+            return memo[id(a)]
+        return a
+
+    native = tuple(c(a) for a in data.native_args)
+    return CaseData(tuple(c(a) for a in data.api_args),
+                    {k: c(v) for k, v in data.api_kwargs.items()}, native,
+                    tuple(c(a) for a in data.native_outputs),
+                    tuple(c(a) for a in data.ref_args),
+                    {k: c(v) for k, v in data.ref_kwargs.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness check (once per case, before timing)
+# ---------------------------------------------------------------------------------------------
+_CHECK_TOL = {  # sanity check against the eager formula; the tests own the real accuracy bounds
+    torch.float32: dict(rtol=1e-4, atol_frac=1e-5),
+    torch.float16: dict(rtol=2e-3, atol_frac=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol_frac=1e-2),
+    torch.int32: dict(rtol=0.0, atol_frac=0.0),
+}
+
+
+def _close(name: str, got: Tensor, want: Tensor) -> Optional[str]:
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"{name}: dtype {got.dtype} != {want.dtype}"
+    tol = _CHECK_TOL[want.dtype]
+    amax = float(want.float().abs().max()) if want.numel() else 0.0
+    try:
+        torch.testing.assert_close(got, want, rtol=tol["rtol"],
+                                   atol=tol["atol_frac"] * max(amax, 1e-30), equal_nan=True)
+    except AssertionError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return f"{name}: " + "; ".join(lines[:3])
+    return None
+
+
+def check_outputs(op: str, data: CaseData, got: tuple, want: tuple) -> str:
+    """'ok' or a short description of the first mismatch."""
+    if op == "moe_gating_top_k":
+        # Near-ties may legitimately order differently (torch.topk is not stable): check that
+        # moegrad's choice scores as high as the reference's, then y at moegrad's choice.
+        y, idx, norm = got
+        y_ref, idx_ref, norm_ref = want
+        kw = data.ref_kwargs
+        x = data.ref_args[0]
+        nrm = ref._normalise(x.float(), kw["norm_type"])
+        score = nrm if kw["bias"] is None else nrm + kw["bias"].float()
+        problems = [
+            _close("norm_out", norm, norm_ref),
+            _close("selected scores", score.gather(1, idx.long()).sort(dim=1).values,
+                   score.gather(1, idx_ref.long()).sort(dim=1).values),
+            _close("y", y, ref.gating_weights(nrm, idx, kw["renorm"], kw["norm_type"],
+                                              kw["routed_scaling_factor"], kw["eps"], x.dtype)),
+        ]
+    else:
+        names = {"moe_gating_top_k_backward": ("grad_x",),
+                 "moe_finalize_routing": ("out",),
+                 "moe_finalize_routing_grad": ("grad_expanded_x", "grad_scales"),
+                 "swiglu_group": ("y",),
+                 "swiglu_group_quant_backward": ("grad_x", "grad_weight")}[op]
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        problems = [_close(n, a, b) for n, a, b in zip(names, got, want)]
+    problems = [p for p in problems if p]
+    return "ok" if not problems else "MISMATCH " + " | ".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Budget:
+    min_calls: int = 5
+    max_calls: int = 2000
+    seconds: float = 0.25          # per method per case, after warm-up
+    warmup_calls: int = 3
+
+
+def time_calls(fns: Sequence[Callable[[], object]], budget: Budget) -> float:
+    """Median seconds per call, rotating through `fns` (one per buffer set).
+
+    Warm-up: one pass over the sets (at most 64 calls, at least `warmup_calls`; fewer when a
+    call takes longer than the budget). Then calls until both `min_calls` (3 for calls slower
+    than the budget) and the time budget are reached, or `max_calls`."""
+    n = len(fns)
+    t0 = time.perf_counter()
+    fns[0]()
+    first = time.perf_counter() - t0
+    i = 1
+    slow = first > budget.seconds
+    warm = 1 if slow else max(budget.warmup_calls, min(n, 64))
+    for _ in range(warm - 1):
+        fns[i % n]()
+        i += 1
+    min_calls = 3 if slow else budget.min_calls
+    times: List[float] = []
+    start = time.perf_counter()
+    while len(times) < min_calls or (
+            len(times) < budget.max_calls and time.perf_counter() - start < budget.seconds):
+        f = fns[i % n]
+        i += 1
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def n_sets_for(nbytes: int, llc: int, max_sets: int) -> int:
+    """Buffer sets so that the rotation touches >= 4 x LLC (at least 2 below 8 x LLC)."""
+    n = math.ceil(4 * llc / max(nbytes, 1))
+    if nbytes < 8 * llc:
+        n = max(n, 2)
+    return max(1, min(n, max_sets))
+
+
+def estimate_memory(case: Case, n_sets: int, with_eager: bool) -> int:
+    est = case.bytes * n_sets            # buffer sets (inputs + preallocated outputs)
+    est += case.bytes // 2               # outputs of the public / compiled call in flight
+    if with_eager:
+        est += int(EAGER_TEMP_FACTOR[case.op] * case.bytes_f32)
+    return est
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+def _fmt_ms(v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def _fmt_x(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.1f}x"
+
+
+HEADER = (f"{'op':<28} {'model':<12} {'dt':<4} {'T':>6} {'shape':<30} {'MB':>8} "
+          f"{'moegrad':>9} {'kernel':>9} {'eager':>9} {'compile':>9} {'GB/s':>6} "
+          f"{'roof':>5} {'vs eag':>7} {'vs cmp':>7}  check")
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['op']:<28} {r['model']:<12} {r['dtype']:<4} {r['shape']['T']:>6} "
+            f"{r['desc']:<30} {r['bytes'] / 1e6:>8.2f} {_fmt_ms(r['ms_moegrad']):>9} "
+            f"{_fmt_ms(r['ms_kernel']):>9} {_fmt_ms(r['ms_eager']):>9} "
+            f"{_fmt_ms(r['ms_compile']):>9} {r['gbps']:>6.1f} {r['roofline_frac']:>5.2f} "
+            f"{_fmt_x(r['speedup_eager']):>7} {_fmt_x(r['speedup_compile']):>7}  {r['check']}")
+
+
+def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
+             do_compile: bool, budget: Budget) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    base = case.make(g)
+    actual = tensors_nbytes(base)
+    if actual != case.bytes:
+        raise AssertionError(f"BYTES table of {case.op} says {case.bytes}, tensors hold {actual}")
+    n_sets = n_sets_for(case.bytes, llc, args.max_sets)
+    sets = [base] + [clone_set(base) for _ in range(n_sets - 1)]
+
+    api = getattr(moegrad, case.op)
+    native = getattr(_C, case.op)
+    eager = getattr(ref, case.op)
+
+    # ---- correctness, once ----
+    got = api(*base.api_args, **base.api_kwargs)
+    want = eager(*base.ref_args, **base.ref_kwargs)
+    check = check_outputs(case.op, base, got, want)
+    native(*base.native_args)
+    outs = base.native_outputs
+    got_native = outs if len(outs) > 1 else outs[0]
+    native_check = check_outputs(case.op, base, got_native, want)
+    if native_check != "ok" and check == "ok":
+        check = "native " + native_check
+    compiled = None
+    check_compile = None
+    if do_compile:
+        torch._dynamo.reset()
+        compiled = torch.compile(eager, dynamic=False)
+        try:
+            got_c = compiled(*base.ref_args, **base.ref_kwargs)
+            check_compile = check_outputs(case.op, base, got_c, want)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            check_compile = f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            compiled = None
+    del got, want
+
+    # ---- timing ----
+    ms_api = 1e3 * time_calls([functools.partial(api, *d.api_args, **d.api_kwargs)
+                               for d in sets], budget)
+    ms_kernel = 1e3 * time_calls([functools.partial(native, *d.native_args) for d in sets],
+                                 budget)
+    ms_eager = 1e3 * time_calls([functools.partial(eager, *d.ref_args, **d.ref_kwargs)
+                                 for d in sets], budget)
+    ms_compile = None
+    if compiled is not None:
+        ms_compile = 1e3 * time_calls([functools.partial(compiled, *d.ref_args, **d.ref_kwargs)
+                                       for d in sets], budget)
+    gbps = case.bytes / (ms_kernel * 1e-3) / 1e9
+    return dict(
+        op=case.op, model=case.model, dtype=case.dtype, shape=case.dims, desc=case.desc,
+        bytes=case.bytes, ms_moegrad=ms_api, ms_kernel=ms_kernel, ms_eager=ms_eager,
+        ms_compile=ms_compile, gbps=gbps, gbps_api=case.bytes / (ms_api * 1e-3) / 1e9,
+        roofline_frac=gbps / copy_gbps, speedup_eager=ms_eager / ms_api,
+        speedup_compile=(ms_compile / ms_api) if ms_compile is not None else None,
+        threads=args.threads, copy_gbps=copy_gbps, n_sets=n_sets,
+        cold=case.bytes * n_sets >= 2 * llc, check=check, check_compile=check_compile)
+
+
+def select_cases(args) -> List[Tuple[Case, bool]]:
+    """(case, compile it?) in run order."""
+    out: List[Tuple[Case, bool]] = []
+    # plan: model -> (token counts, dtypes)
+    if args.tiny:
+        plan = {"deepseek_v3": ((1, 16), ("bf16",)), "gpt_oss": ((16,), ("bf16",))}
+    elif args.quick:
+        plan = {"deepseek_v3": ((1024,), ("bf16", "fp32")), "gpt_oss": ((16, 256), ("bf16",))}
+    else:
+        plan = {m: (FULL_TOKENS, ("bf16", "fp32")) for m in MODELS}
+    if args.models:  # a model outside the mode's plan gets the plan's first sizes
+        plan = {m: plan.get(m, next(iter(plan.values()))) for m in args.models}
+    for op in args.ops:
+        for model, (tokens, dtypes) in plan.items():
+            for t in (args.tokens or tokens):
+                for dt in (args.dtypes or dtypes):
+                    case = build_case(op, model, dt, t)
+                    if args.no_compile:
+                        comp = False
+                    elif args.quick:  # compile time counts: one dtype, the larger shapes
+                        comp = dt == "bf16" and t >= 1024
+                    else:
+                        comp = True
+                    out.append((case, comp))
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m moegrad.bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="PATH", help="write {meta, records[]} as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of roofline fraction per op/size")
+    p.add_argument("--markdown", metavar="PATH", help="write the results as markdown tables")
+    p.add_argument("--from-json", metavar="PATH[,PATH...]", type=lambda s: s.split(","),
+                   help="measure nothing: load earlier --json files (later files replace the "
+                   "same cases of earlier ones) and print / write the table, plot, markdown")
+    p.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
+    p.add_argument("--tiny", action="store_true",
+                   help="smallest smoke run (T=1,16; bf16; short timing) for tests")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="threads for moegrad, eager and compile (default: available cores)")
+    p.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS),
+                   help="comma-separated operator names (default: all six)")
+    p.add_argument("--models", type=lambda s: s.split(","), default=None,
+                   help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
+                   help="comma-separated subset of fp32,bf16,fp16 (default fp32,bf16)")
+    p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None,
+                   help=f"comma-separated token counts (default {FULL_TOKENS})")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: random, printed)")
+    p.add_argument("--mem-limit-gb", type=float, default=DEFAULT_MEM_LIMIT_GB,
+                   help="skip cases estimated above this footprint (default %(default)s)")
+    p.add_argument("--max-sets", type=int, default=MAX_SETS, help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=None,
+                   help="timing budget per method per case (default 0.25; quick 0.1)")
+    args = p.parse_args(argv)
+    bad = [o for o in args.ops if o not in OPS]
+    if bad:
+        p.error(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
+    if args.models and any(m not in MODELS for m in args.models):
+        p.error(f"unknown model in {args.models}; choose from {', '.join(MODELS)}")
+    if args.dtypes and any(d not in DTYPES for d in args.dtypes):
+        p.error(f"unknown dtype in {args.dtypes}; choose from {', '.join(DTYPES)}")
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
+    return args
+
+
+def summarize(records: List[dict]) -> List[dict]:
+    """Per op and dtype, the largest case run (most bytes): the numbers the targets speak of."""
+    best: Dict[Tuple[str, str], dict] = {}
+    for r in records:
+        key = (r["op"], r["dtype"])
+        if key not in best or r["bytes"] > best[key]["bytes"]:
+            best[key] = r
+    rows = []
+    for op in OPS:
+        for dt in DTYPES:
+            r = best.get((op, dt))
+            if r is None:
+                continue
+            rows.append(dict(op=op, dtype=dt, model=r["model"], T=r["shape"]["T"],
+                             bytes=r["bytes"], roofline_frac=r["roofline_frac"],
+                             speedup_eager=r["speedup_eager"],
+                             speedup_compile=r["speedup_compile"],
+                             ms_moegrad=r["ms_moegrad"], ms_kernel=r["ms_kernel"],
+                             ms_compile=r["ms_compile"]))
+    return rows
+
+
+def print_summary(rows: List[dict]) -> None:
+    print("\nlargest case per op and dtype (targets for backward ops at large shapes, 2 threads: "
+          "roof >= 0.70, >= 4x eager, >= 1.5x compile):")
+    print(f"{'op':<28} {'dt':<4} {'model':<12} {'T':>6} {'MB':>9} {'roof':>5} {'vs eag':>7} "
+          f"{'vs cmp':>7} {'moegrad':>9} {'kernel':>9} {'compile':>9}")
+    for r in rows:
+        print(f"{r['op']:<28} {r['dtype']:<4} {r['model']:<12} {r['T']:>6} "
+              f"{r['bytes'] / 1e6:>9.1f} {r['roofline_frac']:>5.2f} "
+              f"{_fmt_x(r['speedup_eager']):>7} {_fmt_x(r['speedup_compile']):>7} "
+              f"{_fmt_ms(r.get('ms_moegrad')):>9} {_fmt_ms(r.get('ms_kernel')):>9} "
+              f"{_fmt_ms(r.get('ms_compile')):>9}")
+
+
+def make_plot(records: List[dict], path: str, meta: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [o for o in OPS if any(r["op"] == o for r in records)]
+    cols = min(3, max(1, len(ops)))
+    rows = math.ceil(len(ops) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
+    for ax, op in zip(axes.flat, ops):
+        series: Dict[Tuple[str, str], List[Tuple[int, float]]] = {}
+        for r in records:
+            if r["op"] == op:
+                series.setdefault((r["model"], r["dtype"]), []).append(
+                    (r["bytes"], r["roofline_frac"]))
+        for (model, dt), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts],
+                    marker="o" if dt == "bf16" else "s",
+                    linestyle="-" if dt == "bf16" else "--", label=f"{model} {dt}")
+        ax.axhline(0.7, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_title(op, fontsize=10)
+        ax.set_xlabel("bytes moved per call")
+        ax.set_ylabel("achieved / copy bandwidth")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.axis("off")
+    runs = meta.get("merged_from") or [meta]
+    fig.suptitle(f"moegrad roofline fraction ({meta['threads']} threads, copy "
+                 + ", ".join(f"{m['copy_gbps']:.1f}" for m in runs) + " GB/s; "
+                 + ", ".join(m["date"] for m in runs) + ")", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _record_key(r: dict) -> Tuple[str, str, str, int]:
+    return (r["op"], r["model"], r["dtype"], r["shape"]["T"])
+
+
+def _record_order(r: dict):
+    op, model, dt, t = _record_key(r)
+    return (OPS.index(op) if op in OPS else 99, list(MODELS).index(model) if model in MODELS
+            else 99, t, list(DTYPES).index(dt) if dt in DTYPES else 99)
+
+
+def load_records(paths: Sequence[str]) -> Tuple[dict, List[dict]]:
+    """Merge the records of earlier --json files; a later file's case replaces an earlier one."""
+    merged: Dict[Tuple[str, str, str, int], dict] = {}
+    metas = []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        metas.append(doc["meta"])
+        for r in doc["records"]:
+            merged[_record_key(r)] = dict(r, run=len(metas) - 1)
+    meta = dict(metas[0])
+    if len(metas) > 1:
+        meta["merged_from"] = [dict(path=p, date=m["date"], copy_gbps=m["copy_gbps"],
+                                    copy_gbps_end=m.get("copy_gbps_end"),
+                                    loadavg_start=m.get("loadavg_start"),
+                                    loadavg_end=m.get("loadavg_end"))
+                               for p, m in zip(paths, metas)]
+    done = set(merged)
+    meta["skipped"] = [sk for m in metas for sk in m.get("skipped", [])
+                       if (sk["op"], sk["model"], sk["dtype"], sk["T"]) not in done]
+    records = sorted(merged.values(), key=_record_order)
+    meta["summary"] = summarize(records)
+    return meta, records
+
+
+def markdown_table(meta: dict, records: List[dict]) -> str:
+    """The results as markdown: the largest case per op and dtype, then every case."""
+    def x(v):
+        return "–" if v is None else f"{v:.1f}×"
+
+    def ms(v):
+        return "–" if v is None else _fmt_ms(v)
+
+    runs = meta.get("merged_from") or [meta]
+    lines = [f"{meta['threads']} threads; copy bandwidth "
+             + ", ".join(f"{m['copy_gbps']:.1f} GB/s (start) / "
+                         f"{(m.get('copy_gbps_end') or float('nan')):.1f} GB/s (end), "
+                         f"run of {m['date']}" for m in runs)
+             + f"; torch {meta['torch']}, moegrad {meta['moegrad']}.", "",
+             "Largest case run per operator and dtype:", "",
+             "| op | dtype | model | T | MB | roofline | vs eager | vs compile | moegrad ms "
+             "| kernel ms | compile ms |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in meta["summary"]:
+        lines.append(f"| {r['op']} | {r['dtype']} | {r['model']} | {r['T']} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['roofline_frac']:.2f} | "
+                     f"{x(r['speedup_eager'])} | {x(r['speedup_compile'])} | "
+                     f"{ms(r.get('ms_moegrad'))} | {ms(r.get('ms_kernel'))} | "
+                     f"{ms(r.get('ms_compile'))} |")
+    lines += ["", "All cases (ms are medians; moegrad = public op, kernel = native call into "
+              "preallocated outputs; GB/s and roofline from kernel; speedups against moegrad):",
+              "", "| op | model | dtype | T | MB | moegrad ms | kernel ms | eager ms | compile ms "
+              "| GB/s | roofline | vs eager | vs compile | check |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['shape']['T']} | "
+                     f"{r['bytes'] / 1e6:.2f} | {ms(r['ms_moegrad'])} | {ms(r['ms_kernel'])} | "
+                     f"{ms(r['ms_eager'])} | {ms(r['ms_compile'])} | {r['gbps']:.1f} | "
+                     f"{r['roofline_frac']:.2f} | {x(r['speedup_eager'])} | "
+                     f"{x(r['speedup_compile'])} | {r['check']} |")
+    if meta.get("skipped"):
+        lines += ["", "Skipped (memory): " + ", ".join(
+            f"{sk['op']} {sk['model']} {sk['dtype']} T={sk['T']}" for sk in meta["skipped"])]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(meta: dict, records: List[dict], args) -> None:
+    for path in (args.json, args.plot, args.markdown):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=1)
+    if args.plot and records:
+        make_plot(records, args.plot, meta)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_table(meta, records))
+
+
+def report(args) -> int:
+    """--from-json: re-render (and merge) earlier runs without measuring anything."""
+    meta, records = load_records(args.from_json)
+    print(HEADER)
+    for r in records:
+        print(format_row(r))
+    print_summary(meta["summary"])
+    write_outputs(meta, records, args)
+    return 1 if any(r["check"] != "ok" for r in records) else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        return report(args)
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    budget = Budget(seconds=args.seconds if args.seconds is not None
+                    else (0.03 if args.tiny else 0.1 if args.quick else 0.25))
+    if args.tiny:
+        budget.min_calls, budget.max_calls, args.max_sets = 3, 50, min(args.max_sets, 4)
+
+    prev_torch_threads = torch.get_num_threads()
+    prev_moegrad_threads = moegrad.get_num_threads()
+    t_start = time.time()
+    try:
+        torch.set_num_threads(args.threads)
+        moegrad.set_num_threads(args.threads)
+        llc, llc_src = llc_bytes()
+        copy_gbps = copy_bandwidth_gbps(args.threads, llc)
+        probe = CopyProbe(args.threads, llc)
+        mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        meta = dict(
+            date=datetime.datetime.now().isoformat(timespec="seconds"),
+            moegrad=moegrad.__version__, torch=torch.__version__, python=platform.python_version(),
+            cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+            threads=args.threads, llc_bytes=llc, llc_source=llc_src, copy_gbps=copy_gbps,
+            mem_total_gb=mem_total / 2**30, mem_limit_gb=args.mem_limit_gb, seed=args.seed,
+            mode="tiny" if args.tiny else "quick" if args.quick else "full",
+            loadavg_start=os.getloadavg()[0],
+            thp_mem_alloc_enable=os.environ.get("THP_MEM_ALLOC_ENABLE"),
+            bytes_definition={op: BYTES[op][0] for op in OPS}, skipped=[])
+        print(f"moegrad {meta['moegrad']} | torch {meta['torch']} | {meta['cores']} cores, "
+              f"threads={args.threads} | LLC {llc / 2**20:.0f} MiB ({llc_src}) | "
+              f"RAM {meta['mem_total_gb']:.0f} GiB | copy bandwidth {copy_gbps:.1f} GB/s | "
+              f"seed {args.seed} | load average {meta['loadavg_start']:.2f}")
+        print(f"cases above ~{args.mem_limit_gb:g} GB estimated footprint are skipped "
+              f"(this machine has {meta['mem_total_gb']:.0f} GiB and {meta['cores']} cores). "
+              "Times in ms (median); moegrad = public op, kernel = _C call into preallocated "
+              "outputs; GB/s and roof from kernel; speedups = eager or compile / moegrad.")
+        if meta["loadavg_start"] > 0.5:
+            print(f"warning: load average {meta['loadavg_start']:.2f} before the run: other "
+                  "processes compete for the cores; timings will be noisy")
+        print(HEADER)
+        sys.stdout.flush()
+        records: List[dict] = []
+        failures = 0
+        for case, comp in select_cases(args):
+            n_sets = n_sets_for(case.bytes, llc, args.max_sets)
+            est = estimate_memory(case, n_sets, with_eager=True)
+            if est > args.mem_limit_gb * 1e9:
+                reason = f"~{est / 1e9:.1f} GB estimated > {args.mem_limit_gb:g} GB limit"
+                meta["skipped"].append(dict(op=case.op, model=case.model, dtype=case.dtype,
+                                            T=case.tokens, reason=reason))
+                print(f"{case.op:<28} {case.model:<12} {case.dtype:<4} {case.tokens:>6} "
+                      f"{case.desc:<30} skipped: {reason}")
+                continue
+            try:
+                rec = run_case(case, args, llc, probe.measure(), args.seed, comp, budget)
+            except Exception as e:  # noqa: BLE001 - a failing case must not end the run
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                meta.setdefault("errors", []).append(dict(op=case.op, model=case.model,
+                                                          dtype=case.dtype, T=case.tokens,
+                                                          error=msg))
+                print(f"{case.op:<28} {case.model:<12} {case.dtype:<4} {case.tokens:>6} "
+                      f"{case.desc:<30} ERROR {msg}")
+                failures += 1
+                continue
+            records.append(rec)
+            failures += rec["check"] != "ok"  # a compile-baseline problem is only reported
+            print(format_row(rec) + ("" if rec["check_compile"] in (None, "ok")
+                                     else f" [compile: {rec['check_compile']}]"))
+            sys.stdout.flush()
+        meta["summary"] = summarize(records)
+        if records:
+            print_summary(meta["summary"])
+        del probe
+        copy_end = copy_bandwidth_gbps(args.threads, llc)
+        meta["copy_gbps_end"] = copy_end
+        meta["loadavg_end"] = os.getloadavg()[0]
+        meta["wall_s"] = time.time() - t_start
+        if abs(copy_end - copy_gbps) > 0.2 * copy_gbps:
+            print(f"warning: copy bandwidth changed during the run ({copy_gbps:.1f} -> "
+                  f"{copy_end:.1f} GB/s): the machine is probably busy; timings are noisy")
+        print(f"{len(records)} cases, {len(meta['skipped'])} skipped, {failures} failures, "
+              f"{meta['wall_s']:.0f} s; copy bandwidth at end {copy_end:.1f} GB/s, "
+              f"load average {meta['loadavg_end']:.2f}")
+        write_outputs(meta, records, args)
+        return 1 if failures else 0
+    finally:
+        torch.set_num_threads(prev_torch_threads)
+        moegrad.set_num_threads(prev_moegrad_threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""The benchmark harness (python -m moegrad.bench) and its PyTorch baselines.
+
+* The harness runs end to end in its smallest mode (--tiny --no-compile), writes JSON records
+  with every field, checks moegrad against the eager formula per case (and reports a planted
+  mismatch), and writes the plot. No timing is asserted.
+* The eager baselines of moegrad.reference_torch are themselves checked against the independent
+  float64 reference (reference.py), so the benchmark's per-case check compares moegrad with a
+  formula that is known to be right.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import moegrad
+from moegrad import bench
+from moegrad import reference_torch as rt
+
+import reference as ref
+from conftest import (assert_close_to_ref, rand_droppad_idx, rand_perm_idx, randn,
+                      tie_free_gating_inputs, uniform)
+
+RECORD_FIELDS = {
+    "op": str, "model": str, "dtype": str, "shape": dict, "desc": str, "bytes": int,
+    "ms_moegrad": float, "ms_kernel": float, "ms_eager": float, "gbps": float,
+    "gbps_api": float, "roofline_frac": float, "speedup_eager": float, "threads": int,
+    "copy_gbps": float, "n_sets": int, "cold": bool, "check": str,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# the harness
+# ---------------------------------------------------------------------------------------------
+def test_bench_tiny_run_writes_checked_records(tmp_path, seed):
+    out_json, out_png = tmp_path / "perf.json", tmp_path / "perf.png"
+    threads_before = torch.get_num_threads()
+    rc = bench.main(["--tiny", "--no-compile", "--threads", "1", "--seed", str(seed),
+                     "--json", str(out_json), "--plot", str(out_png)])
+    assert torch.get_num_threads() == threads_before, "bench must restore torch's threads"
+    doc = json.loads(out_json.read_text())
+    meta, records = doc["meta"], doc["records"]
+    assert rc == 0, [r["check"] for r in records if r["check"] != "ok"]
+    assert meta["seed"] == seed and meta["threads"] == 1 and meta["mode"] == "tiny"
+    assert meta["copy_gbps"] > 0 and meta["llc_bytes"] > 0
+    assert set(meta["bytes_definition"]) == set(bench.OPS)
+    assert {r["op"] for r in records} == set(bench.OPS)
+    for r in records:
+        for name, typ in RECORD_FIELDS.items():
+            assert isinstance(r[name], typ), (r["op"], name, r[name])
+        assert r["ms_compile"] is None and r["speedup_compile"] is None  # --no-compile
+        # moegrad's outputs equal the eager formula's (checked by the harness, once per case)
+        assert r["check"] == "ok", (r["op"], r["model"], r["shape"], r["check"])
+        assert r["threads"] == 1 and r["dtype"] == "bf16"
+        for t in ("ms_moegrad", "ms_kernel", "ms_eager"):
+            assert math.isfinite(r[t]) and r[t] > 0, (r["op"], t, r[t])
+        # derived columns are consistent with the raw ones
+        assert r["gbps"] == pytest.approx(r["bytes"] / (r["ms_kernel"] * 1e6))
+        assert r["roofline_frac"] == pytest.approx(r["gbps"] / r["copy_gbps"])
+        assert r["speedup_eager"] == pytest.approx(r["ms_eager"] / r["ms_moegrad"])
+        # the bytes column follows the documented per-op formula
+        case = bench.build_case(r["op"], r["model"], r["dtype"], r["shape"]["T"])
+        assert r["bytes"] == case.bytes
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_reports_a_mismatch(monkeypatch, capsys, tmp_path, seed):
+    """Plant a wrong eager formula: the per-case check must flag it and the exit status be 1."""
+    good = rt.swiglu_group
+    monkeypatch.setattr(rt, "swiglu_group", lambda *a, **k: good(*a, **k) * 1.5)
+    out_json = tmp_path / "perf.json"
+    rc = bench.main(["--tiny", "--no-compile", "--threads", "1", "--ops", "swiglu_group",
+                     "--models", "deepseek_v3", "--tokens", "16", "--seed", str(seed),
+                     "--json", str(out_json)])
+    records = json.loads(out_json.read_text())["records"]
+    assert rc == 1
+    assert len(records) == 1 and records[0]["check"].startswith("MISMATCH y"), records
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_bytes_table_matches_the_tensors(seed):
+    """The BYTES formulas equal the nbytes of the tensors the native call touches (all models,
+    both dtypes, a non-trivial token count)."""
+    g = torch.Generator().manual_seed(seed)
+    for op in bench.OPS:
+        for model in bench.MODELS:
+            for dt in ("fp32", "bf16"):
+                case = bench.build_case(op, model, dt, 3)
+                assert bench.tensors_nbytes(case.make(g)) == case.bytes, (op, model, dt)
+
+
+def test_case_sizes_and_skips():
+    """Expanded rows and SwiGLU widths follow the model table; the largest DeepSeek SwiGLU
+    backward is above the default memory limit and is skipped, a mid-size case is not."""
+    c = bench.build_case("swiglu_group_quant_backward", "deepseek_v3", "bf16", 16384)
+    assert c.dims["Tk"] == 16384 * 8 and c.dims["F"] == 2048
+    limit = bench.DEFAULT_MEM_LIMIT_GB * 1e9
+    assert bench.estimate_memory(c, 1, True) > limit
+    c = bench.build_case("moe_finalize_routing_grad", "gpt_oss", "fp32", 1024)
+    assert c.dims == dict(R=1024, K=4, H=2880, T=1024)
+    assert bench.estimate_memory(c, bench.n_sets_for(c.bytes, 32 << 20, 4096), True) < limit
+    assert bench.n_sets_for(1 << 10, 32 << 20, 4096) == 4096
+    assert bench.n_sets_for(1 << 30, 32 << 20, 4096) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# reference_torch against the float64 reference
+# ---------------------------------------------------------------------------------------------
+DTS = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@DTS
+@pytest.mark.parametrize("mode", ["deepseek", "softmax_renorm", "softmax_plain", "sqrt_softplus"])
+def test_reference_torch_gating(rng, dtype, mode):
+    M, N, k = 37, 64, 6
+    cfg = dict(deepseek=dict(norm_type=1, with_bias=True, k_group=4, group_count=8,
+                             group_select_mode=1, renorm=0, rsf=2.5),
+               softmax_renorm=dict(norm_type=0, with_bias=False, k_group=1, group_count=1,
+                                   group_select_mode=0, renorm=1, rsf=1.0),
+               softmax_plain=dict(norm_type=0, with_bias=True, k_group=2, group_count=4,
+                                  group_select_mode=0, renorm=0, rsf=0.5),
+               sqrt_softplus=dict(norm_type=2, with_bias=False, k_group=1, group_count=1,
+                                  group_select_mode=0, renorm=0, rsf=1.0))[mode]
+    sel = dict(k_group=cfg["k_group"], group_count=cfg["group_count"],
+               group_select_mode=cfg["group_select_mode"])
+    x, bias = tie_free_gating_inputs(M, N, dtype, rng, k, norm_type=cfg["norm_type"],
+                                     with_bias=cfg["with_bias"], **sel)
+    y, idx, norm = rt.moe_gating_top_k(x, k, bias, renorm=cfg["renorm"],
+                                       norm_type=cfg["norm_type"], out_flag=True,
+                                       routed_scaling_factor=cfg["rsf"], **sel)
+    y_ref, idx_ref, norm_ref = ref.moe_gating_top_k(
+        x, k, bias, renorm=cfg["renorm"], norm_type=cfg["norm_type"], out_flag=True,
+        routed_scaling_factor=cfg["rsf"], **sel)
+    assert idx.dtype == torch.int32 and y.dtype == dtype
+    np.testing.assert_array_equal(idx.numpy(), idx_ref)
+    n_red = N + k
+    assert_close_to_ref(norm, norm_ref, torch.float32, n_reduce=N, what="norm_out")
+    assert_close_to_ref(y, y_ref, dtype, scale=np.abs(y_ref) * 4, n_reduce=n_red, what="y")
+    _, _, zeros = rt.moe_gating_top_k(x, k, bias, norm_type=cfg["norm_type"], **sel)
+    assert torch.all(zeros == 0)  # L1
+
+
+@DTS
+def test_reference_torch_gating_backward(rng, dtype):
+    M, N, k = 41, 96, 8
+    x_norm = torch.sigmoid(randn((M, N), torch.float32, rng, 2.0))
+    grad_y = randn((M, k), dtype, rng)
+    idx = torch.from_numpy(np.argsort(rng.random((M, N)), 1)[:, :k].copy()).to(torch.int32)
+    idx[0, 1] = idx[0, 0]  # a repeated id is summed (D1)
+    gx = rt.moe_gating_top_k_backward(x_norm, grad_y, idx, routed_scaling_factor=2.5, eps=1e-20)
+    assert gx.dtype == dtype
+    exp = ref.moe_gating_top_k_backward(x_norm, grad_y, idx, routed_scaling_factor=2.5)
+    mag = ref.gating_backward_magnitude(x_norm, grad_y, idx, routed_scaling_factor=2.5)
+    assert_close_to_ref(gx, exp, dtype, scale=mag, n_reduce=k + 1, what="grad_x")
+
+
+@DTS
+@pytest.mark.parametrize("drop_pad_mode", [0, 1, 2, 3])
+def test_reference_torch_finalize_routing(rng, dtype, drop_pad_mode):
+    R, K, H, E, C = 29, 4, 67, 5, 30
+    if drop_pad_mode in (1, 3):
+        ex = randn((E, C, H), dtype, rng)
+        idx = rand_droppad_idx(R * K, E, C, rng)
+    else:
+        ex = randn((R * K - 3, H), dtype, rng)  # active_num-truncated rows: L5 skips
+        idx = rand_perm_idx(R * K, rng)
+    x1, x2 = randn((R, H), dtype, rng), randn((R, H), dtype, rng)
+    bias = randn((E, H), dtype, rng)
+    scales = uniform((R, K), dtype, rng, 0.0, 1.0)
+    eidx = torch.from_numpy(rng.integers(0, E, (R, K))).to(torch.int32)
+    kw = dict(x1=x1, x2=x2, bias=bias, scales=scales, expert_idx=eidx,
+              drop_pad_mode=drop_pad_mode)
+    out = rt.moe_finalize_routing(ex, idx, **kw)
+    exp = ref.moe_finalize_routing(ex, idx, **kw)
+    mag = ref.finalize_routing_magnitude(ex, idx, **kw)
+    assert out.dtype == dtype
+    assert_close_to_ref(out, exp, dtype, scale=mag, n_reduce=K + 2, what="out")
+    # no scales, no skip tensors: K from k (L4)
+    out = rt.moe_finalize_routing(ex, idx, drop_pad_mode=drop_pad_mode, k=K)
+    exp = ref.moe_finalize_routing(ex, idx, drop_pad_mode=drop_pad_mode, R=R, K=K)
+    mag = ref.finalize_routing_magnitude(ex, idx, drop_pad_mode=drop_pad_mode, R=R, K=K)
+    assert_close_to_ref(out, exp, dtype, scale=mag, n_reduce=K, what="out k")
+
+
+@DTS
+@pytest.mark.parametrize("variant", ["dropless", "active_num", "droppad_bias", "no_scales"])
+def test_reference_torch_finalize_routing_grad(rng, dtype, variant):
+    R, K, H, E, C = 23, 3, 71, 4, 20
+    gy = randn((R, H), dtype, rng)
+    kw = dict(drop_pad_mode=0)
+    if variant == "no_scales":
+        K = 1
+        idx = rand_perm_idx(R, rng)
+    elif variant == "droppad_bias":
+        idx = rand_droppad_idx(R * K, E, C, rng)
+        kw.update(drop_pad_mode=1, expert_num=E, expert_capacity=C,
+                  expanded_x=randn((E, C, H), dtype, rng), bias=randn((E, H), dtype, rng),
+                  expert_idx=torch.from_numpy(rng.integers(0, E, (R, K))).to(torch.int32))
+    else:
+        idx = rand_perm_idx(R * K, rng)
+        active = R * K - 7 if variant == "active_num" else 0
+        rows = active or R * K
+        kw.update(active_num=active, expanded_x=randn((rows, H), dtype, rng))
+    if variant != "no_scales":
+        kw["scales"] = uniform((R, K), dtype, rng, -1.0, 1.0)
+    gex, gsc = rt.moe_finalize_routing_grad(gy, idx, **kw)
+    exp_gex, exp_gsc = ref.moe_finalize_routing_grad(gy, idx, **kw)
+    _, mag = ref.moe_finalize_routing_grad(gy, idx, **kw, _abs=True)
+    assert gex.dtype == dtype and gsc.dtype == dtype
+    assert_close_to_ref(gex, exp_gex, dtype, what="grad_expanded_x")
+    assert_close_to_ref(gsc, exp_gsc, dtype, scale=mag, n_reduce=H, what="grad_scales")
+
+
+@DTS
+@pytest.mark.parametrize("clamp", [-1.0, 1.5])
+def test_reference_torch_swiglu(rng, dtype, clamp):
+    T, H, G = 45, 66, 5
+    x = randn((T, 2 * H), dtype, rng, 2.0)
+    w = uniform((T,), torch.float32, rng, -1.0, 1.0)
+    gi = torch.tensor([7, 0, 11, 9, 3], dtype=torch.int64)  # trunc 30 < T
+    assert gi.numel() == G
+    y = rt.swiglu_group(x, w, gi, clamp)
+    assert y.dtype == dtype
+    assert_close_to_ref(y, ref.swiglu_group(x, w, gi, clamp), dtype, what="y")
+    gy, yo = randn((T, H), dtype, rng), randn((T, H), dtype, rng)
+    gx, gw = rt.swiglu_group_quant_backward(gy, x, w.reshape(T, 1), yo, gi, clamp)
+    exp_gx, exp_gw = ref.swiglu_group_quant_backward(gy, x, w.reshape(T, 1), yo, gi, clamp)
+    mag_gx, mag_gw = ref.swiglu_backward_magnitude(gy, x, w.reshape(T, 1), yo, gi, clamp)
+    assert gx.dtype == dtype and gw.dtype == torch.float32 and gw.shape == (T, 1)
+    assert_close_to_ref(gx, exp_gx, dtype, scale=mag_gx, what="grad_x")
+    assert_close_to_ref(gw, exp_gw, torch.float32, scale=mag_gw, n_reduce=H, what="grad_weight")
+    # no weight, no group_index: every row, empty grad_weight
+    gx, gw = rt.swiglu_group_quant_backward(gy, x, None, None, None, clamp)
+    exp_gx, _ = ref.swiglu_group_quant_backward(gy, x, None, None, None, clamp)
+    mag_gx, _ = ref.swiglu_backward_magnitude(gy, x, None, None, None, clamp)
+    assert_close_to_ref(gx, exp_gx, dtype, scale=mag_gx, what="grad_x (no weight)")
+    assert gw.shape == (0,) and gw.dtype == torch.float32
+
+
+def test_reference_torch_compiles(rng):
+    """The baselines trace as one graph each (no host sync); torch.compile gives the same
+    result as eager on one small case per op (default inductor backend would be slow: eager
+    backend is enough to prove traceability)."""
+    x = randn((9, 32), torch.float32, rng)
+    gi = torch.tensor([4, 3], dtype=torch.int64)
+    fn = torch.compile(rt.swiglu_group, backend="eager", fullgraph=True)
+    torch.testing.assert_close(fn(x, None, gi, 7.0), rt.swiglu_group(x, None, gi, 7.0))
+    ex, idx = randn((12, 8), torch.float32, rng), rand_perm_idx(12, rng)
+    sc = uniform((4, 3), torch.float32, rng, 0, 1)
+    gy = randn((4, 8), torch.float32, rng)
+    fn = torch.compile(rt.moe_finalize_routing_grad, backend="eager", fullgraph=True)
+    for a, b in zip(fn(gy, idx, ex, sc), rt.moe_finalize_routing_grad(gy, idx, ex, sc)):
+        torch.testing.assert_close(a, b)
+
+
+def _fake_record(op, T, ms_kernel, check="ok"):
+    return dict(op=op, model="gpt_oss", dtype="bf16", shape=dict(T=T), desc="d", bytes=10**6 * T,
+                ms_moegrad=2.0, ms_kernel=ms_kernel, ms_eager=8.0, ms_compile=None,
+                gbps=T / ms_kernel, gbps_api=T / 2.0, roofline_frac=0.5, speedup_eager=4.0,
+                speedup_compile=None, threads=2, copy_gbps=20.0, n_sets=2, cold=True,
+                check=check, check_compile=None)
+
+
+def test_from_json_merges_runs_and_writes_markdown(tmp_path):
+    """--from-json re-renders saved runs: a later file's case replaces the same case of an
+    earlier one, the summary takes the largest case, the markdown lists every case."""
+    meta = dict(date="2026-01-01T00:00:00", threads=2, copy_gbps=20.0, copy_gbps_end=19.0,
+                torch="t", moegrad="m", skipped=[])
+    a = dict(meta=meta, records=[_fake_record("swiglu_group", 16, 1.0),
+                                 _fake_record("swiglu_group", 256, 3.0)])
+    b = dict(meta=dict(meta, date="2026-01-02T00:00:00"),
+             records=[_fake_record("swiglu_group", 256, 7.0)])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out, md = tmp_path / "m.json", tmp_path / "m.md"
+    rc = bench.main(["--from-json", f"{pa},{pb}", "--json", str(out), "--markdown", str(md)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [(r["shape"]["T"], r["ms_kernel"]) for r in doc["records"]] == [(16, 1.0), (256, 7.0)]
+    assert len(doc["meta"]["merged_from"]) == 2
+    assert doc["meta"]["summary"][0]["T"] == 256
+    text = md.read_text()
+    assert "| swiglu_group | gpt_oss | bf16 | 256 |" in text and "2026-01-02" in text
+    pb.write_text(json.dumps(dict(b, records=[_fake_record("swiglu_group", 16, 1.0, "MISMATCH")])))
+    assert bench.main(["--from-json", f"{pa},{pb}"]) == 1
