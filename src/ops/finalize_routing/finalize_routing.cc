@@ -3,7 +3,7 @@
 
 #include "core/check.h"
 #include "core/executor.h"
-#include "core/index_check.h"
+#include "core/host.h"
 
 namespace moegrad {
 
@@ -285,11 +285,13 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
 
 void run_plan(const FinalizeRoutingPlan& plan, void*, void*) {
   require_cpu(plan.op, plan.expanded_x);
+  advise_output(plan.out);
   finalize_routing_cpu(plan);
 }
 
 void run_plan(const FinalizeRoutingGradPlan& plan, void*, void*) {
   require_cpu(plan.op, plan.grad_y);
+  advise_output(plan.grad_expanded_x);
   finalize_routing_grad_cpu(plan);
 }
 

@@ -5,7 +5,7 @@
 
 #include "core/check.h"
 #include "core/executor.h"
-#include "core/index_check.h"
+#include "core/host.h"
 
 namespace moegrad {
 
@@ -158,11 +158,13 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
 
 void run_plan(const GatingTopKPlan& plan, void*, void*) {
   require_cpu(plan.op, plan.x);
+  advise_output(plan.norm_out);
   gating_top_k_cpu(plan);
 }
 
 void run_plan(const GatingTopKBackwardPlan& plan, void*, void*) {
   require_cpu(plan.op, plan.x_norm);
+  advise_output(plan.grad_x);
   gating_top_k_backward_cpu(plan);
 }
 

@@ -6,7 +6,7 @@
 
 #include "core/check.h"
 #include "core/executor.h"
-#include "core/index_check.h"
+#include "core/host.h"
 
 namespace moegrad {
 
@@ -182,11 +182,13 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
 
 void run_plan(const SwigluPlan& plan, void*, void*) {
   require_cpu(plan.op, plan.x);
+  advise_output(plan.y);
   swiglu_cpu(plan);
 }
 
 void run_plan(const SwigluGradPlan& plan, void*, void*) {
   require_cpu(plan.op, plan.x);
+  advise_output(plan.grad_x);
   swiglu_grad_cpu(plan);
 }
 

@@ -1,7 +1,7 @@
-// Host-side checks of index tensors (decisions.md D6). Device tensors are not read on the host;
-// kernels skip invalid indices instead.
-#ifndef MOEGRAD_CORE_INDEX_CHECK_H_
-#define MOEGRAD_CORE_INDEX_CHECK_H_
+// Host-side helpers: index value checks (decisions.md D6; device tensors are not read on the host,
+// kernels skip invalid indices instead), the CPU-device rule, and output memory advice.
+#ifndef MOEGRAD_CORE_HOST_H_
+#define MOEGRAD_CORE_HOST_H_
 
 #include <cstdint>
 
@@ -22,6 +22,11 @@ void check_index_unique(const Validator& v, int32_t code, const TensorView& idx,
 // The CPU kernels only run on host views (161002 otherwise).
 void require_cpu(const char* op, const TensorView& t);
 
+// Advises the kernel to back a large host output with transparent huge pages before it is first
+// written: a freshly allocated multi-GB output otherwise costs one page fault per 4 KiB, which
+// can exceed the kernel's own time. Advice only; a no-op where unsupported.
+void advise_output(const TensorView& t);
+
 }  // namespace moegrad
 
-#endif  // MOEGRAD_CORE_INDEX_CHECK_H_
+#endif  // MOEGRAD_CORE_HOST_H_

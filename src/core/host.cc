@@ -1,6 +1,10 @@
-#include "core/index_check.h"
+#include "core/host.h"
 
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace moegrad {
 
@@ -39,6 +43,25 @@ void require_cpu(const char* op, const TensorView& t) {
     throw Error(kErrParamInvalid, cat(op, ": device: CUDA tensors need a moegrad build with "
                                           "MOEGRAD_WITH_CUDA=ON; this build is CPU-only"));
   }
+}
+
+void advise_output(const TensorView& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (t.device != Device::kCPU || t.data == nullptr) return;
+  const int64_t esize = (t.dtype == DType::kFloat16 || t.dtype == DType::kBFloat16) ? 2
+                        : (t.dtype == DType::kInt64)                                  ? 8
+                                                                                      : 4;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data);
+  const uintptr_t end = begin + static_cast<uintptr_t>(t.numel() * esize);
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = end & ~(kHuge - 1);
+  if (last > first && last - first >= 2 * kHuge) {
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+#else
+  (void)t;
+#endif
 }
 
 }  // namespace moegrad
