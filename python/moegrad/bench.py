@@ -21,8 +21,9 @@ Method (details in docs/performance.md):
 * ``bytes``: each input read once plus each output written once (BYTES table below).
   ``gbps`` = bytes / ms_kernel, ``roofline_frac`` = gbps / copy bandwidth, where the copy
   bandwidth is ``Tensor.copy_`` of a large buffer (4 x LLC, at least 128 MB) on the same
-  threads, counted as 2 x size (read + write), sampled right before each case (``copy_gbps``
-  of the record; the run's start and end values are in ``meta``).
+  threads, counted as 2 x size (read + write), sampled right before and right after each case
+  (the larger of the two is the record's ``copy_gbps``; the run's start and end values are in
+  ``meta``).
 * Before timing, each case is checked once: moegrad's outputs against the eager formula (and
   the compiled one against eager) with ``torch.testing.assert_close``; a mismatch is reported in
   the table and in the record's ``check`` field, and makes the exit status 1.
@@ -39,7 +40,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -113,8 +114,8 @@ BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
 }
 
 # Peak memory of the eager formula's temporaries, in multiples of the case's bytes as if every
-# floating tensor were fp32 (peak RSS of the eager call measured at DeepSeek-V3 T=1024, rounded up). Used only to
-# decide which cases to skip.
+# floating tensor were fp32 (peak RSS of the eager call measured at DeepSeek-V3 T=1024, rounded
+# up). Used only to decide which cases to skip.
 EAGER_TEMP_FACTOR = {
     "moe_gating_top_k": 4.0, "moe_gating_top_k_backward": 3.5, "moe_finalize_routing": 0.6,
     "moe_finalize_routing_grad": 0.8, "swiglu_group": 1.4, "swiglu_group_quant_backward": 2.3,
@@ -874,7 +875,13 @@ def main(argv=None) -> int:
                       f"{case.desc:<30} skipped: {reason}")
                 continue
             try:
-                rec = run_case(case, args, llc, probe.measure(), args.seed, comp, budget)
+                before = probe.measure()
+                rec = run_case(case, args, llc, before, args.seed, comp, budget)
+                # a transient dip in one sample must not inflate the roofline fraction: use
+                # the larger of the samples taken just before and just after the case
+                after = probe.measure()
+                if after > before:
+                    rec.update(copy_gbps=after, roofline_frac=rec["gbps"] / after)
             except Exception as e:  # noqa: BLE001 - a failing case must not end the run
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 meta.setdefault("errors", []).append(dict(op=case.op, model=case.model,
