@@ -114,12 +114,12 @@ def _gating_backward(ctx, grad_y, _grad_idx, grad_norm):
             "gradients are tracked separately, decisions.md D21)")
     x, idx, norm = ctx.saved_tensors
     x_norm = norm if out_flag else torch.sigmoid(x.float())
-    if out_flag and grad_norm is not None:
-        # Both terms in fp32, one rounding to x's dtype at the end (D12).
-        grad_x = moe_gating_top_k_backward(x_norm, grad_y.float(), idx, renorm, 1, rsf, eps)
+    # With a norm_out gradient both terms are summed in fp32 and rounded once (D12).
+    two_terms = out_flag and grad_norm is not None
+    grad_x = moe_gating_top_k_backward(x_norm, grad_y.float() if two_terms else grad_y, idx,
+                                       renorm, 1, rsf, eps)
+    if two_terms:
         grad_x = (grad_x + grad_norm.float() * x_norm * (1.0 - x_norm)).to(x.dtype)
-    else:
-        grad_x = moe_gating_top_k_backward(x_norm, grad_y.contiguous(), idx, renorm, 1, rsf, eps)
     return (grad_x,) + (None,) * 10
 
 

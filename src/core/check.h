@@ -12,6 +12,8 @@
 namespace moegrad {
 
 const char* dtype_name(DType dtype);
+// Bytes per element (0 for kOther).
+int64_t dtype_size(DType dtype);
 std::string shape_str(const TensorView& t);
 
 // Concatenates its arguments with operator<<.

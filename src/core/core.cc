@@ -62,6 +62,15 @@ const char* dtype_name(DType dtype) {
   }
 }
 
+int64_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: case DType::kBFloat16: return 2;
+    case DType::kFloat32: case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+    default: return 0;
+  }
+}
+
 std::string shape_str(const TensorView& t) {
   std::string s = "[";
   for (int i = 0; i < t.ndim; ++i) {

@@ -49,11 +49,8 @@ void advise_output(const TensorView& t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   if (t.device != Device::kCPU || t.data == nullptr) return;
-  const int64_t esize = (t.dtype == DType::kFloat16 || t.dtype == DType::kBFloat16) ? 2
-                        : (t.dtype == DType::kInt64)                                  ? 8
-                                                                                      : 4;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data);
-  const uintptr_t end = begin + static_cast<uintptr_t>(t.numel() * esize);
+  const uintptr_t end = begin + static_cast<uintptr_t>(t.numel() * dtype_size(t.dtype));
   const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t last = end & ~(kHuge - 1);
   if (last > first && last - first >= 2 * kHuge) {

@@ -161,8 +161,7 @@ void FinalizeBackward(const FinalizeRoutingGradPlan& p) {
     if (idx[i] >= 0 && idx[i] < p.rows) covered[static_cast<size_t>(idx[i])] = 1;
   }
   const int64_t H = p.H;
-  const size_t row_bytes = static_cast<size_t>(H) *
-                           (p.grad_y.dtype == DType::kFloat32 ? 4 : 2);
+  const size_t row_bytes = static_cast<size_t>(H * dtype_size(p.grad_y.dtype));
   unsigned char* gex = static_cast<unsigned char*>(p.grad_expanded_x.data);
   parallel_for(p.rows, grain_rows(H), [&](int64_t b, int64_t e) {
     for (int64_t d = b; d < e; ++d) {
