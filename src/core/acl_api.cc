@@ -1,6 +1,7 @@
 // Tensor handles, executor registry and error slot of the C API.
 #include "core/acl_api.h"
 
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_set>
@@ -39,7 +40,9 @@ DType dtype_from_acl(aclDataType t) {
     case ACL_BF16: return DType::kBFloat16;
     case ACL_INT32: return DType::kInt32;
     case ACL_INT64: return DType::kInt64;
-    default: return DType::kOther;
+    // Other codes are kept as they are (DType's values are aclDataType's), so a dtype error can
+    // name the dtype seen; no operator accepts them.
+    default: return static_cast<int32_t>(t) >= 0 ? static_cast<DType>(t) : DType::kOther;
   }
 }
 
@@ -126,9 +129,22 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
       }
       v.shape[i] = viewDims[i];
       v.strides[i] = stride ? stride[i] : expect;
-      expect *= viewDims[i];
+      expect = moegrad::mul_sat(expect, viewDims[i]);
     }
     const int64_t esize = moegrad::element_size(dataType);
+    // Sizes are computed in int64 everywhere: a tensor whose byte size (or offset) does not fit
+    // is refused here rather than overflowing later.
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    if (moegrad::mul_sat(v.numel(), esize > 0 ? esize : 1) == kMax) {
+      throw Error(moegrad::kErrParamInvalid,
+                  cat("aclCreateTensor: viewDims: the byte size must fit in int64; got shape ",
+                      moegrad::shape_str(v)));
+    }
+    if (moegrad::mul_sat(offset, esize > 0 ? esize : 1) == kMax) {
+      throw Error(moegrad::kErrParamInvalid,
+                  cat("aclCreateTensor: offset: offset * element size must fit in int64; got ",
+                      offset));
+    }
     v.data = tensorData ? static_cast<char*>(tensorData) + offset * esize : nullptr;
     v.device = moegrad::Device::kCPU;
     out = t.release();
