@@ -22,6 +22,11 @@
  * value invalid, 561002 gating-forward and SwiGLU shape or attribute error, 561103 finalize
  * routing shape or value error, 561000 internal error (e.g. out of memory).
  * Tensors must be contiguous (D19). All calls are thread-safe; the error message is per thread.
+ * An executor shared across threads gives a status, never undefined behaviour: a one-shot
+ * executor runs (or is destroyed) exactly once, and a second stage-two run of a repeatable
+ * executor, or its destruction, while another thread is running it returns
+ * ACLNN_ERR_PARAM_INVALID (docs/decisions.md L54). A destroyed executor's address may be reused
+ * by a later one, so a stale handle is only detected until then.
  */
 #ifndef MOEGRAD_ACLNN_H_
 #define MOEGRAD_ACLNN_H_

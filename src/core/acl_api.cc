@@ -10,7 +10,8 @@
 
 struct aclOpExecutor {
   moegrad::ExecutorPtr impl;
-  bool repeatable = false;
+  bool repeatable = false;  // both fields are guarded by the registry mutex
+  bool running = false;     // a repeatable executor's stage two is in progress
 };
 
 namespace moegrad {
@@ -25,12 +26,33 @@ std::unordered_set<aclOpExecutor*>& registry() {
   return *r;
 }
 
-bool take_or_check(aclOpExecutor* e, bool take) {
+// Every check-then-act on an executor happens under the registry lock, so executors shared
+// across threads give a status, never a use-after-free or a double free: a one-shot executor is
+// taken out of the registry by exactly one caller; a repeatable one is marked running, and a
+// second concurrent run, a destroy or a repeatable switch during a run are refused.
+enum class Use { kUnknown, kBusy, kOneShot, kRepeatable };
+
+Use begin_run(aclOpExecutor* e) {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   auto it = registry().find(e);
-  if (it == registry().end()) return false;
-  if (take) registry().erase(it);
-  return true;
+  if (it == registry().end()) return Use::kUnknown;
+  if (e->running) return Use::kBusy;
+  if (!e->repeatable) {
+    registry().erase(it);
+    return Use::kOneShot;
+  }
+  e->running = true;
+  return Use::kRepeatable;
+}
+
+void end_run(aclOpExecutor* e) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  e->running = false;
+}
+
+[[noreturn]] void busy(const char* op) {
+  throw Error(kErrParamInvalid, cat(op, ": executor: must not be in use by another thread; got "
+                                        "an executor whose stage two is running"));
 }
 
 DType dtype_from_acl(aclDataType t) {
@@ -74,17 +96,22 @@ aclnnStatus stage_two(const char* op, void* workspace, uint64_t workspace_size,
     if (executor == nullptr) {
       throw Error(kErrNullptr, cat(op, ": executor: must not be null; got null"));
     }
-    if (!take_or_check(executor, false)) {
+    const Use use = begin_run(executor);
+    if (use == Use::kUnknown) {
       throw Error(kErrParamInvalid, cat(op, ": executor: must come from a GetWorkspaceSize call "
                                             "and not be consumed or destroyed; got an unknown "
                                             "executor"));
     }
-    if (executor->repeatable) {
+    if (use == Use::kBusy) busy(op);
+    if (use == Use::kRepeatable) {
+      struct EndRun {
+        aclOpExecutor* e;
+        ~EndRun() { end_run(e); }
+      } end{executor};
       executor->impl->run(workspace, workspace_size, stream);
       return;
     }
     // One-shot: consumed whether or not the run succeeds, as in aclnn.
-    take_or_check(executor, true);
     std::unique_ptr<aclOpExecutor> owned(executor);
     owned->impl->run(workspace, workspace_size, stream);
   });
@@ -159,7 +186,8 @@ aclnnStatus aclDestroyTensor(const aclTensor* tensor) {
 
 aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
   return api_guard([&] {
-    if (!moegrad::take_or_check(executor, false)) {
+    std::lock_guard<std::mutex> lock(moegrad::g_registry_mutex);
+    if (moegrad::registry().count(executor) == 0) {
       throw Error(moegrad::kErrParamInvalid,
                   "aclSetAclOpExecutorRepeatable: executor: must be a live executor; got an "
                   "unknown one");
@@ -171,10 +199,20 @@ aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
 aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor) {
   return api_guard([&] {
     if (executor == nullptr) return;
-    if (!moegrad::take_or_check(executor, true)) {
-      throw Error(moegrad::kErrParamInvalid,
-                  "aclDestroyAclOpExecutor: executor: must be a live executor; got an unknown "
-                  "one (already consumed or destroyed)");
+    {
+      std::lock_guard<std::mutex> lock(moegrad::g_registry_mutex);
+      auto it = moegrad::registry().find(executor);
+      if (it == moegrad::registry().end()) {
+        throw Error(moegrad::kErrParamInvalid,
+                    "aclDestroyAclOpExecutor: executor: must be a live executor; got an unknown "
+                    "one (already consumed or destroyed)");
+      }
+      if (executor->running) {
+        throw Error(moegrad::kErrParamInvalid,
+                    "aclDestroyAclOpExecutor: executor: must not be in use by another thread; "
+                    "got an executor whose stage two is running");
+      }
+      moegrad::registry().erase(it);
     }
     delete executor;
   });
