@@ -1,4 +1,4 @@
-// Validation, shape inference and planning of finalize routing (spec §3.6, §4.6, D6).
+// Validation, shape inference and planning of finalize routing (§3.6, §4.6, D6).
 #include "ops/finalize_routing/finalize_routing.h"
 
 #include "core/check.h"

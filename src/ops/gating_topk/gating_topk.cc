@@ -1,4 +1,4 @@
-// Validation, shape inference and planning of the gating top-k operators (spec §1.6, §2.5).
+// Validation, shape inference and planning of the gating top-k operators (§1.6, §2.5).
 #include "ops/gating_topk/gating_topk.h"
 
 #include <cmath>

@@ -1,4 +1,4 @@
-// Validation, shape inference and planning of the SwiGLU operators (spec §5.6, D9, D11).
+// Validation, shape inference and planning of the SwiGLU operators (§5.6, D9, D11).
 #include "ops/swiglu/swiglu.h"
 
 #include <algorithm>
