@@ -156,6 +156,11 @@ void Validator::same_dtype(const TensorView& t, const char* arg, DType want,
 }
 
 void Validator::layout(const TensorView& t, const char* arg, Device device) const {
+  // Optional tensors reach here without present(): a non-empty one needs its data (161001).
+  if (t.data == nullptr && t.numel() > 0) {
+    fail(kErrNullptr, arg, cat("a non-empty tensor must not have a null data pointer; got null "
+                               "data for shape ", shape_str(t)));
+  }
   if (!t.is_contiguous()) {
     fail(kErrParamInvalid, arg, "tensor must be contiguous (row-major); got a strided view");
   }

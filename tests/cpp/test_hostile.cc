@@ -243,6 +243,36 @@ TEST(Overflow, GroupIndexSumsAreExactAndNeverWrap) {
             3);
 }
 
+// ---- found by fuzzing: optional tensors with a null data pointer (L55) ----
+
+TEST(Fuzzed, OptionalTensorsWithNullDataAreRejectedNotRead) {
+  // group_index of SwiGLU, bias of the gating forward, expert_idx of finalize routing: each
+  // non-empty with a null data pointer was read by the host checks before the fix.
+  Tensor x({4, 6}, ACL_FLOAT), y({4, 3}, ACL_FLOAT);
+  Tensor gi = Tensor::null_data({2}, ACL_INT64);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  expect_fails(aclnnSwigluGroupGetWorkspaceSize(x.handle(), nullptr, gi.handle(), -1.0,
+                                                y.handle(), &ws, &ex),
+               ex, ACLNN_ERR_PARAM_NULLPTR, "group_index");
+  Tensor gx({4, 8}, ACL_FLOAT), bias = Tensor::null_data({8}, ACL_FLOAT), gy({4, 2}, ACL_FLOAT),
+      gidx({4, 2}, ACL_INT32), gn({4, 8}, ACL_FLOAT);
+  expect_fails(aclnnMoeGatingTopKGetWorkspaceSize(gx.handle(), bias.handle(), 2, 1, 1, 0, 0, 1,
+                                                  false, 1.0, 1e-20, gy.handle(), gidx.handle(),
+                                                  gn.handle(), &ws, &ex),
+               ex, ACLNN_ERR_PARAM_NULLPTR, "bias");
+  Finalize f;
+  f.eidx = Tensor::null_data({3, 2}, ACL_INT32);
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_PARAM_NULLPTR, "expert_idx");
+  // Empty tensors may have a null data pointer.
+  Tensor gi0 = Tensor({0}, ACL_INT64);
+  ASSERT_EQ(aclnnSwigluGroupGetWorkspaceSize(x.handle(), nullptr, gi0.handle(), -1.0, y.handle(),
+                                             &ws, &ex),
+            ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+  EXPECT_EQ(aclDestroyAclOpExecutor(ex), ACLNN_SUCCESS);
+}
+
 // ---- dtype messages (L53) ----
 
 TEST(DtypeMessages, NameTheDtypeSeenAndTheAcceptedOnesOnce) {
