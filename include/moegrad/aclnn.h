@@ -119,7 +119,9 @@ MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopK(void* workspace, uint64_t workspace
                                              aclOpExecutor* executor, aclrtStream stream);
 
 /* ---- MoeGatingTopKBackward (spec §1). xNorm [M,N] fp32, gradY [M,K] fp32/fp16/bf16,
- * expertIdx [M,K] int32, normType must be 1, out [M,N] gradY dtype. Errors: 161001 / 161002. */
+ * expertIdx [M,K] int32, out [M,N] gradY dtype. normType 1 (sigmoid), and beyond the vendor
+ * 0 (softmax, renorm 0 or 1; xNorm = softmax output) and 2 (sqrt-softplus, always renormalised;
+ * xNorm = sqrt(softplus(x))). Errors: 161001 / 161002. */
 MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
     const aclTensor* xNorm, const aclTensor* gradY, const aclTensor* expertIdx, int64_t renorm,
     int64_t normType, double routedScalingFactor, double eps, const aclTensor* out,

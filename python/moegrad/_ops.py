@@ -105,21 +105,37 @@ def _gating_setup(ctx, inputs, output):
     ctx.attrs = (renorm, norm_type, out_flag, rsf, eps)
 
 
+def _normalise(x: Tensor, norm_type: int) -> Tensor:
+    """The forward's normalised scores in fp32 (norm_out without bias), §2.4 step 1."""
+    x = x.float()
+    if norm_type == 0:
+        return torch.softmax(x, dim=-1)
+    if norm_type == 1:
+        return torch.sigmoid(x)
+    return torch.sqrt(torch.nn.functional.softplus(x))
+
+
+def _normalise_backward(grad: Tensor, s: Tensor, norm_type: int) -> Tensor:
+    """Vector-Jacobian product of the normalisation at scores s (fp32), for the norm_out path."""
+    if norm_type == 0:
+        return s * (grad - (s * grad).sum(dim=-1, keepdim=True))
+    if norm_type == 1:
+        return grad * s * (1.0 - s)
+    dn = torch.where(s > 0, -torch.expm1(-s * s) / (2.0 * s), torch.zeros_like(s))
+    return grad * dn
+
+
 def _gating_backward(ctx, grad_y, _grad_idx, grad_norm):
+    # Every norm type (D22, L21): the native backward takes the forward's normalised scores.
     renorm, norm_type, out_flag, rsf, eps = ctx.attrs
-    if norm_type != 1:
-        raise NotImplementedError(
-            "moegrad.moe_gating_top_k: the backward supports norm_type=1 (sigmoid) only, like "
-            f"CANN's MoeGatingTopKBackward; got norm_type={norm_type} (softmax / sqrt-softplus "
-            "gradients are tracked separately, decisions.md D21)")
     x, idx, norm = ctx.saved_tensors
-    x_norm = norm if out_flag else torch.sigmoid(x.float())
+    x_norm = norm if out_flag else _normalise(x, norm_type)
     # With a norm_out gradient both terms are summed in fp32 and rounded once (D12).
     two_terms = out_flag and grad_norm is not None
     grad_x = moe_gating_top_k_backward(x_norm, grad_y.float() if two_terms else grad_y, idx,
-                                       renorm, 1, rsf, eps)
+                                       renorm, norm_type, rsf, eps)
     if two_terms:
-        grad_x = (grad_x + grad_norm.float() * x_norm * (1.0 - x_norm)).to(x.dtype)
+        grad_x = (grad_x + _normalise_backward(grad_norm.float(), x_norm, norm_type)).to(x.dtype)
     return (grad_x,) + (None,) * 10
 
 

@@ -2,8 +2,8 @@
 
 The library computes in fp32 (D12), so each gradient is compared with the float64 autograd of the
 formula written in plain PyTorch, with the per-dtype tolerance of the shared table. Upstream
-gradients are random (never ones). Covers: gating sigmoid path (norm_type = 1, bias, groups,
-renorm, routed_scaling_factor, eps, norm_out gradient; L10), finalize routing per operators.md
+gradients are random (never ones). Covers: gating for every norm type (sigmoid, softmax with renorm 0/1, sqrt-softplus; bias,
+groups, renorm, routed_scaling_factor, eps, norm_out gradient; D22, L10), finalize routing per operators.md
 §7.3 (modes 0/1, with/without scales, synthesized ones-scales, bias/expert_idx, x1/x2/bias None
 gradients with a warning, modes 2/3 NotImplementedError; D7, D8, L5), SwiGLU (x and weight
 gradients, clamp with strict masks, group_index truncation; D9, D10, D11, L8).
@@ -146,14 +146,112 @@ def test_gating_no_bias_gradient(gen):
                      scale=gating_mag(s64, gy.double(), idx, 1.0, 1e-20))
 
 
-@pytest.mark.parametrize("norm_type", [0, 2])
-def test_gating_other_norm_types_backward_not_implemented(gen, norm_type):
-    """L10/D21: only the sigmoid path is differentiable; the forward itself still works."""
-    x = randn(gen, 4, 16).requires_grad_()
-    y, _, _ = moegrad.moe_gating_top_k(x, 3, norm_type=norm_type, renorm=1)
-    assert y.requires_grad
-    with pytest.raises(NotImplementedError):
-        (y * upstream(gen, 4, 3)).sum().backward()
+def normalise64(x, norm_type):
+    if norm_type == 0:
+        return torch.softmax(x, dim=-1)
+    if norm_type == 1:
+        return torch.sigmoid(x)
+    return torch.sqrt(F.softplus(x))
+
+
+def gating_ref_any(x, idx, rsf, eps, norm_type, renorm):
+    """Forward of §2.4 steps 5-7 for a fixed selection, any norm type, float64."""
+    rsf, eps = f32(rsf), f32(eps)
+    s = normalise64(x, norm_type)
+    g = s.gather(1, idx.long())
+    if norm_type in (1, 2) or renorm == 1:
+        g = g / (g.sum(-1, keepdim=True) + eps)
+    return g * rsf, s
+
+
+def gating_mag_any(s64, gy, idx, rsf, eps, norm_type, renorm, gn=None):
+    """Magnitude of the terms of the D22 gradient (every term by its absolute value)."""
+    if norm_type == 1:
+        return gating_mag(s64, gy, idx, rsf, eps, gn)
+    s = s64.detach()
+    gs = (f32(rsf) * gy.detach().double()).abs()
+    e = idx.long()
+    if norm_type == 2 or renorm == 1:
+        wp = s.gather(1, e)
+        D = (f32(eps) + wp.sum(1, keepdim=True)).abs()
+        beta = (wp.abs() / D * gs).sum(1, keepdim=True)
+        gp = (gs + beta) / D
+    else:
+        gp = gs
+    G = torch.zeros_like(s).scatter_add_(1, e, gp)
+    if gn is not None:
+        G = G + gn.double().abs()
+    if norm_type == 0:
+        return s * (G + (s * G).sum(1, keepdim=True))
+    return torch.where(s > 0, -torch.expm1(-s * s) / (2 * s), torch.zeros_like(s)) * G
+
+
+NORM_CFGS = [
+    pytest.param(dict(M=16, N=32, k=4, bias=True, k_group=2, group_count=4, rsf=2.5,
+                      eps=1e-20, out_flag=False), id="groups"),
+    pytest.param(dict(M=8, N=8, k=8, bias=False, k_group=1, group_count=1, rsf=-1.5,
+                      eps=0.3, out_flag=True), id="K-eq-N"),
+    pytest.param(dict(M=9, N=2, k=1, bias=True, k_group=1, group_count=1, rsf=1.0, eps=1e-10,
+                      out_flag=True), id="N2-K1"),
+    pytest.param(dict(M=6, N=257, k=7, bias=True, k_group=1, group_count=1, rsf=0.1, eps=1e-6,
+                      out_flag=False), id="N257-odd"),
+    pytest.param(dict(M=3, N=2048, k=8, bias=False, k_group=1, group_count=1, rsf=1.0,
+                      eps=1e-20, out_flag=True), id="N2048"),
+    pytest.param(dict(M=0, N=16, k=3, bias=False, k_group=1, group_count=1, rsf=1.0, eps=1e-20,
+                      out_flag=True), id="M0"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("norm_type,renorm", [(0, 0), (0, 1), (2, 0)],
+                         ids=["softmax", "softmax-renorm", "sqrt-softplus"])
+@pytest.mark.parametrize("cfg", NORM_CFGS)
+def test_gating_every_norm_type_autograd(gen, cfg, norm_type, renorm, dtype):
+    """D22: softmax (renorm 0/1) and sqrt-softplus gradients against float64 autograd of the
+    forward formula, with random upstream gradients into y and (out_flag) norm_out."""
+    M, N, k = cfg["M"], cfg["N"], cfg["k"]
+    x = randn(gen, M, N, dtype=dtype, scale=2.0).requires_grad_()
+    bias = randn(gen, N, dtype=dtype, scale=0.02) if cfg["bias"] else None
+    y, idx, norm_out = moegrad.moe_gating_top_k(
+        x, k, bias=bias, k_group=cfg["k_group"], group_count=cfg["group_count"],
+        renorm=renorm, norm_type=norm_type, out_flag=cfg["out_flag"],
+        routed_scaling_factor=cfg["rsf"], eps=cfg["eps"])
+    gy = upstream(gen, M, k, dtype=dtype)
+    gn = upstream(gen, M, N) if cfg["out_flag"] else None
+    loss = (y.float() * gy.float()).sum()
+    if gn is not None:
+        loss = loss + (norm_out * gn).sum()
+    loss.backward()
+
+    x64 = x.detach().double().requires_grad_()
+    y64, s64 = gating_ref_any(x64, idx, cfg["rsf"], cfg["eps"], norm_type, renorm)
+    loss64 = (y64 * gy.double()).sum()
+    if gn is not None:
+        loss64 = loss64 + (s64 * gn.double()).sum()
+    loss64.backward()
+    assert x.grad.dtype == dtype and x.grad.shape == (M, N)
+    assert_close_tol(x.grad, x64.grad, dtype, what="grad_x", n_reduce=k,
+                     scale=gating_mag_any(s64, gy.double(), idx, cfg["rsf"], cfg["eps"],
+                                          norm_type, renorm, gn))
+
+
+@pytest.mark.parametrize("norm_type,renorm", [(0, 0), (0, 1), (2, 0), (2, 1)])
+def test_gating_backward_op_every_norm_type(gen, norm_type, renorm):
+    """The backward op called directly (x_norm = the forward's scores) equals float64 autograd
+    w.r.t. the logits; repeated ids are summed (D1, D22)."""
+    M, N, K = 7, 40, 6
+    x64 = randn(gen, M, N, dtype=F64, scale=1.5)
+    idx = torch.stack([torch.randperm(N, generator=gen)[:K] for _ in range(M)]).to(I32)
+    idx[0, 1] = idx[0, 0]  # a repeated id
+    x_norm = normalise64(x64, norm_type).float()
+    gy = upstream(gen, M, K)
+    xl = x64.clone().requires_grad_()
+    y64, s64 = gating_ref_any(xl, idx, 2.5, 1e-10, norm_type, renorm)
+    (y64 * gy.double()).sum().backward()
+    gx = moegrad.moe_gating_top_k_backward(x_norm, gy, idx, renorm=renorm, norm_type=norm_type,
+                                           routed_scaling_factor=2.5, eps=1e-10)
+    assert_close_tol(gx, xl.grad, F32, what="grad_x", n_reduce=K,
+                     scale=gating_mag_any(s64, gy.double(), idx, 2.5, 1e-10, norm_type, renorm))
 
 
 def test_gating_backward_op_matches_autograd(gen):
