@@ -153,6 +153,20 @@ MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2Grad(void* workspace, uint64_
                                                         aclOpExecutor* executor,
                                                         aclrtStream stream);
 
+/* ---- MoeFinalizeRoutingBiasGrad (moegrad extension, docs/decisions.md L22): the gradient of
+ * MoeFinalizeRoutingV2's biasOptional. gradBiasOut[e,:] = sum over slots (r,k) with
+ * expertIdx[r,k] = e of scales[r,k] * gradY[r,:] (scale 1 without scales), dropped slots
+ * included. gradY (R,H) fp32/fp16/bf16, expertIdx (R,K) int32 in [0, expertNum), scalesOptional
+ * (R,K), gradBiasOut (expertNum,H) gradY dtype. Deterministic (fixed order, no atomics); needs
+ * a workspace (its size is returned by stage one). Shape/value errors: 561103. */
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* expertIdx, const aclTensor* scalesOptional,
+    int64_t expertNum, const aclTensor* gradBiasOut, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingBiasGrad(void* workspace, uint64_t workspaceSize,
+                                                          aclOpExecutor* executor,
+                                                          aclrtStream stream);
+
 /* ---- SwigluGroupQuantGrad (spec §5). gradY [...,H], x [...,2H] (fp32/fp16/bf16, same dtype),
  * weightOptional fp32 numel T (requires yOriginOptional, the UNWEIGHTED activation), groupIndex
  * [G] int64, clampLimit -1 or > 0, gradXOut like x, gradWeightOutOptional like weight (NULL:

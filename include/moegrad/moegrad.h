@@ -168,6 +168,22 @@ MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_grad(
     const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
     const FinalizeRoutingGradAttrs& attrs);
 
+// ---- Finalize routing bias gradient (moegrad extension, D23; L22) ----
+// grad_bias[e, :] = sum over slots (r, k) with expert_idx[r, k] = e of scales[r, k] * grad_y[r, :]
+// (scale 1 without scales), dropped slots included (they carry the bias term, D7). fp32 sums in
+// slot order r*K + k, narrowed once; deterministic for any thread count (no atomics).
+struct FinalizeRoutingBiasGradAttrs {
+  int64_t expert_num = 0;  // E >= 1 (rows of bias)
+};
+// grad_y (R,H) fp32/fp16/bf16; expert_idx (R,K) int32 in [0,E) (required); scales (R,K)
+// fp32/fp16/bf16 or null; grad_bias (E,H) grad_y.dtype. Shape/value errors: 561103.
+MOEGRAD_API ExecutorPtr plan_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs, const TensorView* grad_bias);
+MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs);
+
 // ---- SwiGLU forward with weight / clamp / group_index (spec §5.5, §6.4; D9, D11; L8, L9) ----
 struct SwigluAttrs {
   double clamp_limit = -1.0;  // -1 (off) or > 0

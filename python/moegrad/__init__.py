@@ -85,7 +85,8 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     [r*K + k] (2/3, row layout). Modes 0/2: expanded_x (R*K, H); modes 1/3: (E, C, H) and
     index -1 marks a dropped slot (it keeps its scale * bias term). Missing scales count as 1.
     R = scales/expert_idx/x1 rows, else len(expanded_row_idx) // k. Returns (R, H) in
-    expanded_x's dtype. Differentiable w.r.t. expanded_x and scales for modes 0/1 (§7.3).
+    expanded_x's dtype. Differentiable in every mode w.r.t. expanded_x, scales, x1, x2 (their
+    gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
     Errors: MoeError 161001/161002, 561103 (shapes, index values).
     """
     return torch.ops.moegrad.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,

@@ -165,6 +165,22 @@ NB_MODULE(_C, m) {
                                                  a(bias), at);
         });
 
+  // ---- finalize routing bias gradient (moegrad extension, D23) ----
+  m.def("moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num,
+           const Opt& gb) {
+          Args a;
+          run(plan_moe_finalize_routing_bias_grad(a(gy), a(eidx), a(scales),
+                                                  FinalizeRoutingBiasGradAttrs{expert_num},
+                                                  a(gb)));
+        });
+  m.def("infer_moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num) -> Shapes {
+          Args a;
+          return infer_moe_finalize_routing_bias_grad(a(gy), a(eidx), a(scales),
+                                                      FinalizeRoutingBiasGradAttrs{expert_num});
+        });
+
   // ---- SwiGLU ----
   m.def("swiglu_group",
         [](const Opt& x, const Opt& weight, const Opt& group_index, double clamp_limit,
