@@ -1,7 +1,7 @@
 """torch.library registration of the moegrad operators: custom ops, fake kernels, autograd.
 
 Each op validates through the C++ library (one place per operator), allocates its outputs with
-torch on the input's device and runs the native kernel. Spec: ../shared/spec/api.md, §7.
+torch on the input's device and runs the native kernel. Contract: docs/operators.md §7.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Gating top-k (spec §1, §2)
+# Gating top-k (§1, §2)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::moe_gating_top_k", mutates_args=())
 def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: int = 1,
@@ -142,7 +142,7 @@ moe_gating_top_k.register_autograd(_gating_backward, setup_context=_gating_setup
 
 
 # ---------------------------------------------------------------------------------------------
-# Finalize routing (spec §3, §4, §7.3)
+# Finalize routing (§3, §4, §7.3)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::moe_finalize_routing", mutates_args=())
 def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
@@ -294,7 +294,7 @@ moe_finalize_routing.register_autograd(_finalize_backward, setup_context=_finali
 
 
 # ---------------------------------------------------------------------------------------------
-# SwiGLU (spec §5, §6.4)
+# SwiGLU (§5, §6.4)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::swiglu_group", mutates_args=())
 def swiglu_group(x: Tensor, weight: Optional[Tensor] = None,
