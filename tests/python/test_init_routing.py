@@ -1,4 +1,4 @@
-"""moe_init_routing / moe_init_routing_grad (docs/operators.md §8; decisions D25-D31, L30-L39).
+"""moe_init_routing / moe_init_routing_grad (docs/operators.md §8; decisions D25-D31, L30-L36).
 
 Numbers against the independent float64 reference (reference.py) and the worked example of
 §8.12; every validation rule with its status code and nothing written on failure; autograd,
@@ -403,7 +403,7 @@ def test_grad_validation(name, over, code, arg):
 
 
 def test_grad_active_larger_than_slots():
-    # A > R*K: the forward keeps R*K rows and the backward accepts them (§8.14 point 6).
+    # A > R*K: the forward keeps R*K rows and the backward accepts them (docs/decisions.md L34).
     out = moegrad.moe_init_routing_grad(G, IDX6, 2, 0, 100)
     assert out.tolist() == [[12, 14], [6, 8], [18, 20]]
 
