@@ -113,15 +113,16 @@ MOEGRAD_API ExecutorPtr plan_moe_gating_top_k(const TensorView* x, const TensorV
 MOEGRAD_API std::vector<Shape> infer_moe_gating_top_k(const TensorView* x, const TensorView* bias,
                                                       const GatingTopKAttrs& attrs);
 
-// ---- Gating top-k backward (§1; D1, D2, D3, D15) ----
+// ---- Gating top-k backward (§1; D1, D2, D3, D15, D22; L20) ----
 struct GatingTopKBackwardAttrs {
-  int64_t renorm = 0;     // reserved, ignored
-  int64_t norm_type = 1;  // must be 1 (sigmoid)
+  int64_t renorm = 0;     // softmax only: 0 or 1 as in the forward; ignored for norm_type 1/2
+  int64_t norm_type = 1;  // 0 softmax, 1 sigmoid (default), 2 sqrt(softplus)
   double routed_scaling_factor = 1.0;
   double eps = 1e-20;
 };
-// x_norm [M,N] fp32 (2 <= N <= 2048); grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K] int32 in
-// [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
+// x_norm [M,N] fp32 (2 <= N <= 2048), the forward's norm_out: softmax, sigmoid or
+// sqrt(softplus) of the logits per norm_type; grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K]
+// int32 in [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
 MOEGRAD_API ExecutorPtr plan_moe_gating_top_k_backward(const TensorView* x_norm,
                                                        const TensorView* grad_y,
                                                        const TensorView* expert_idx,
@@ -167,6 +168,22 @@ MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_grad(
     const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
     const FinalizeRoutingGradAttrs& attrs);
 
+// ---- Finalize routing bias gradient (moegrad extension, D23; L22) ----
+// grad_bias[e, :] = sum over slots (r, k) with expert_idx[r, k] = e of scales[r, k] * grad_y[r, :]
+// (scale 1 without scales), dropped slots included (they carry the bias term, D7). fp32 sums in
+// slot order r*K + k, narrowed once; deterministic for any thread count (no atomics).
+struct FinalizeRoutingBiasGradAttrs {
+  int64_t expert_num = 0;  // E >= 1 (rows of bias)
+};
+// grad_y (R,H) fp32/fp16/bf16; expert_idx (R,K) int32 in [0,E) (required); scales (R,K)
+// fp32/fp16/bf16 or null; grad_bias (E,H) grad_y.dtype. Shape/value errors: 561103.
+MOEGRAD_API ExecutorPtr plan_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs, const TensorView* grad_bias);
+MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs);
+
 // ---- SwiGLU forward with weight / clamp / group_index (§5.5, §6.4; D9, D11; L8, L9) ----
 struct SwigluAttrs {
   double clamp_limit = -1.0;  // -1 (off) or > 0
@@ -194,6 +211,49 @@ MOEGRAD_API ExecutorPtr plan_swiglu_group_quant_grad(const TensorView* grad_y, c
 MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant_grad(
     const TensorView* grad_y, const TensorView* x, const TensorView* weight,
     const TensorView* y_origin, const TensorView* group_index, const SwigluAttrs& attrs);
+
+// ---- Init routing V2/V3 = token permutation (spec §8; D25-D31; docs/decisions.md L30-L36) ----
+struct InitRoutingAttrs {
+  int64_t active_num = 0;       // mode 0: 0 (or -1) dropless; A > 0 keeps the first min(A, R*K)
+  int64_t expert_capacity = 0;  // mode 1: C >= 1 (no C <= R rule, D30)
+  int64_t expert_num = 0;       // E >= 0; 0 = unknown (dropless, no counts, no window)
+  int64_t drop_pad_mode = 0;    // 0 dropless/active, 1 drop-pad [E, C, H]
+  int64_t expert_tokens_num_type = 1;  // 0 cumsum, 1 count, 2 key-value ([E, 2])
+  bool expert_tokens_num_flag = false;  // write expert_tokens
+  bool has_range = false;       // active expert window [expert_start, expert_end)
+  int64_t expert_start = 0;
+  int64_t expert_end = 0;
+  int64_t row_idx_type = 0;     // 0 src->dst (slot -> expanded row, -1 = none), 1 dst->src
+};
+// x [R,H] fp32/fp16/bf16; expert_idx [R,K] int32; expanded_x [rows,H] (mode 0: rows = R*K, or
+// min(A, R*K) when A > 0) or [E,C,H] (mode 1), x.dtype; expanded_row_idx [R*K] int32;
+// expert_tokens int32 or int64, [end-start] (types 0/1, end-start = E without a window) or [E,2]
+// (type 2), required iff expert_tokens_num_flag. Shape/attribute/value errors: 561103.
+MOEGRAD_API ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
+                                              const InitRoutingAttrs& attrs,
+                                              const TensorView* expanded_x,
+                                              const TensorView* expanded_row_idx,
+                                              const TensorView* expert_tokens);
+// Shapes of (expanded_x, expanded_row_idx, expert_tokens); expert_tokens is [0] without the flag.
+MOEGRAD_API std::vector<Shape> infer_moe_init_routing(const TensorView* x,
+                                                      const TensorView* expert_idx,
+                                                      const InitRoutingAttrs& attrs);
+
+// ---- Init routing V2 grad (spec §8.9; D29) ----
+struct InitRoutingGradAttrs {
+  int64_t top_k = 1;          // K >= 1, divides numel(expanded_row_idx)
+  int64_t drop_pad_mode = 0;  // 0: grad_expanded_x [rows,H]; 1: [E,C,H]
+  int64_t active_num = 0;     // mode 0: A > 0 => grad_expanded_x has min(A, R*K) rows
+};
+// grad_expanded_x fp32/fp16/bf16; expanded_row_idx [R*K] int32 (src->dst, -1 = none);
+// grad_x [R,H] grad_expanded_x.dtype: per token the fp32 sum, in k order, of its valid rows.
+MOEGRAD_API ExecutorPtr plan_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                                   const TensorView* expanded_row_idx,
+                                                   const InitRoutingGradAttrs& attrs,
+                                                   const TensorView* grad_x);
+MOEGRAD_API std::vector<Shape> infer_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                                           const TensorView* expanded_row_idx,
+                                                           const InitRoutingGradAttrs& attrs);
 
 // ---- Threads (CPU) ----
 // n <= 0 restores the default (OpenMP's). Results never depend on the thread count (D16).

@@ -8,7 +8,7 @@ semantics, shapes, dtypes and status codes: docs/operators.md; decisions: docs/d
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -29,6 +29,8 @@ __all__ = [
     "moe_finalize_routing_grad",
     "swiglu_group",
     "swiglu_group_quant_backward",
+    "moe_init_routing",
+    "moe_init_routing_grad",
     "set_num_threads",
     "get_num_threads",
 ]
@@ -49,7 +51,8 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
     renorm=1, then multiplied by routed_scaling_factor.
 
     Returns (y [M, k] x.dtype, expert_idx [M, k] int32, norm_out [M, N] float32 — the scores
-    without bias when out_flag, zeros otherwise). Differentiable w.r.t. x for norm_type=1.
+    without bias when out_flag, zeros otherwise). Differentiable w.r.t. x for every norm_type
+    (a gradient reaching norm_out is included).
     Errors: MoeError 161001/161002 (null, dtype), 561002 (shapes, attributes).
     """
     return torch.ops.moegrad.moe_gating_top_k(x, k, bias, k_group, group_count,
@@ -60,11 +63,13 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
 def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
                               renorm: int = 0, norm_type: int = 1,
                               routed_scaling_factor: float = 1.0, eps: float = 1e-20) -> Tensor:
-    """Gradient of the sigmoid gating top-k w.r.t. the logits (§1, D1-D3, D15).
+    """Gradient of the gating top-k w.r.t. the logits (docs/operators.md §1, D1-D3, D15, D22).
 
-    x_norm: [M, N] float32 sigmoid scores (2 <= N <= 2048); grad_y: [M, K] float32/float16/
-    bfloat16; expert_idx: [M, K] int32 (int64 accepted) in [0, N), repeats summed. norm_type
-    must be 1. Returns grad_x [M, N] in grad_y's dtype. Errors: MoeError 161002 for every rule.
+    x_norm: [M, N] float32, the forward's normalised scores (norm_out): sigmoid (norm_type 1,
+    the default), softmax (norm_type 0, with renorm 0 or 1 as in the forward) or
+    sqrt(softplus) (norm_type 2, always renormalised); 2 <= N <= 2048. grad_y: [M, K] float32/
+    float16/bfloat16; expert_idx: [M, K] int32 (int64 accepted) in [0, N), repeats summed.
+    Returns grad_x [M, N] in grad_y's dtype. Errors: MoeError 161002 for every rule.
     """
     return torch.ops.moegrad.moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm,
                                                        norm_type, routed_scaling_factor, eps)
@@ -82,7 +87,8 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     [r*K + k] (2/3, row layout). Modes 0/2: expanded_x (R*K, H); modes 1/3: (E, C, H) and
     index -1 marks a dropped slot (it keeps its scale * bias term). Missing scales count as 1.
     R = scales/expert_idx/x1 rows, else len(expanded_row_idx) // k. Returns (R, H) in
-    expanded_x's dtype. Differentiable w.r.t. expanded_x and scales for modes 0/1 (§7.3).
+    expanded_x's dtype. Differentiable in every mode w.r.t. expanded_x, scales, x1, x2 (their
+    gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
     Errors: MoeError 161001/161002, 561103 (shapes, index values).
     """
     return torch.ops.moegrad.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
@@ -136,6 +142,50 @@ def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tens
     """
     return torch.ops.moegrad.swiglu_group_quant_backward(grad_y, x, weight, y_origin,
                                                          group_index, clamp_limit)
+
+
+def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
+                     expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
+                     expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
+                     active_expert_range: Optional[Sequence[int]] = None,
+                     row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    """Token permutation: group token rows by expert (MoeInitRoutingV2/V3, docs/operators.md §8).
+
+    x: [R, H] float32/float16/bfloat16; expert_idx: [R, K] int32 (int64 accepted). The R*K
+    slots (flat s = r*K + k) are sorted by expert id, stably (ties: lower slot first), and
+    expanded_x[d] = x[S[d] // K] for the sorted slot list S.
+    - drop_pad_mode 0: expanded_x [R*K, H]; active_num A > 0 keeps only the first min(A, R*K)
+      sorted rows (the index keeps its full values).
+    - drop_pad_mode 1: expanded_x [expert_num, expert_capacity, H]; per expert the lowest
+      tokens are kept, extra slots get index -1, missing rows are zero.
+    - active_expert_range [start, end): only those experts are materialised (in order); other
+      slots get -1 and trailing rows are zero.
+    expanded_row_idx: [R*K] int32, src->dst (slot -> expanded row, -1 = none) with
+    row_idx_type 0; the dst->src slot order with row_idx_type 1 (no autograd).
+    Counts (int64): expert_tokens_num_type 0 cumsum, 1 count ([end - start], or [expert_num]),
+    2 key-value ([expert_num, 2] rows (id, count), then zeros); [0] when the flag is off or
+    expert_num is 0 without a window. Drop/pad counts are before capacity.
+    Differentiable w.r.t. x (via moe_init_routing_grad). Feed expanded_row_idx to
+    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad).
+    Errors: MoeError 161001/161002, 561103 (shapes, attributes, expert ids).
+    """
+    rng = None if active_expert_range is None else [int(v) for v in active_expert_range]
+    return torch.ops.moegrad.moe_init_routing(x, expert_idx, active_num, expert_capacity,
+                                              expert_num, drop_pad_mode, expert_tokens_num_type,
+                                              expert_tokens_num_flag, rng, row_idx_type)
+
+
+def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
+                          drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
+    """Backward of moe_init_routing (MoeInitRoutingV2Grad, docs/operators.md §8.9, D29).
+
+    grad_expanded_x: [rows, H] (mode 0; rows = R*K, or min(active_num, R*K) when
+    active_num > 0) or [E, C, H] (mode 1); expanded_row_idx: [R*K] int32 src->dst. Returns
+    grad_x [R, H]: per token the fp32 sum, in k order, of its rows; -1 and rows >= rows are
+    skipped. Errors: MoeError 161001/161002, 561103.
+    """
+    return torch.ops.moegrad.moe_init_routing_grad(grad_expanded_x, expanded_row_idx, top_k,
+                                                   drop_pad_mode, active_num)
 
 
 def set_num_threads(n: int) -> None:

@@ -306,6 +306,75 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   return p;
 }
 
+uint64_t bias_grad_workspace(int64_t E, int64_t slots) {
+  return static_cast<uint64_t>((E + 1) * 8 + ((slots * 4 + 63) / 64) * 64);
+}
+
+FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
+    const TensorView* gy, const TensorView* eidx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& a, const TensorView* gb, bool with_outputs) {
+  Validator v("moe_finalize_routing_bias_grad", kErrInnerNullptr);
+  FinalizeRoutingBiasGradPlan p;
+  v.present(gy, "grad_y");
+  v.present(eidx, "expert_idx");
+  if (with_outputs) v.present(gb, "grad_bias");
+  v.dtype_in(*gy, "grad_y", kFloatTypes);
+  v.same_dtype(*eidx, "expert_idx", DType::kInt32, "int32");
+  if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
+  if (with_outputs) v.same_dtype(*gb, "grad_bias", gy->dtype, "grad_y's dtype");
+  const Device dev = gy->device;
+  v.layout(*gy, "grad_y", dev);
+  v.layout(*eidx, "expert_idx", dev);
+  optional_layout(v, scales, "scales", dev);
+  if (with_outputs) v.layout(*gb, "grad_bias", dev);
+  v.rank(*gy, "grad_y", 2);
+  const int64_t R = gy->shape[0], H = gy->shape[1];
+  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.rank(*eidx, "expert_idx", 2);
+  v.dim(*eidx, "expert_idx", 0, R, "the token count R of grad_y");
+  const int64_t K = eidx->shape[1];
+  v.check_shape(K >= 1, "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
+  if (scales) v.shape(*scales, "scales", {R, K});
+  v.check_shape(a.expert_num >= 1, "expert_num", cat("must be >= 1; got ", a.expert_num));
+  const int64_t E = a.expert_num;
+  if (with_outputs) v.shape(*gb, "grad_bias", {E, H});
+  check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, E);
+  p.grad_y = *gy;
+  p.expert_idx = *eidx;
+  if (scales) p.scales = *scales;
+  if (with_outputs) p.grad_bias = *gb;
+  p.has_scales = scales != nullptr;
+  p.R = R;
+  p.K = K;
+  p.H = H;
+  p.E = E;
+  p.workspace_bytes = bias_grad_workspace(E, R * K);
+  return p;
+}
+
+void run_plan(const FinalizeRoutingBiasGradPlan& plan, void* workspace, void*) {
+  require_cpu(plan.op, plan.grad_y);
+  finalize_routing_bias_grad_cpu(plan, workspace);
+}
+
+ExecutorPtr plan_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                const TensorView* expert_idx,
+                                                const TensorView* scales,
+                                                const FinalizeRoutingBiasGradAttrs& attrs,
+                                                const TensorView* grad_bias) {
+  return make_executor(
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, grad_bias, true));
+}
+
+std::vector<Shape> infer_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                        const TensorView* expert_idx,
+                                                        const TensorView* scales,
+                                                        const FinalizeRoutingBiasGradAttrs& attrs) {
+  FinalizeRoutingBiasGradPlan p =
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, nullptr, false);
+  return {{p.E, p.H}};
+}
+
 void run_plan(const FinalizeRoutingPlan& plan, void*, void*) {
   require_cpu(plan.op, plan.expanded_x);
   advise_output(plan.out);
