@@ -25,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   aclIntArray* arr = range_kind == 0 ? nullptr : aclCreateIntArray(range.data(), range.size());
   const int64_t lo = range.size() == 2 ? range[0] : 0, hi = range.size() == 2 ? range[1] : E;
-  const int64_t span = hi > lo && hi - lo <= 64 ? hi - lo : E;
+  const int64_t span = hi > lo && lo >= 0 && hi <= 64 ? hi - lo : E;
   const aclDataType dt = f.coin(3) ? ACL_FLOAT : (f.coin() ? ACL_FLOAT16 : ACL_BF16);
   const int64_t N = R * K;
   const int64_t rows = active > 0 && active < N ? active : N;

@@ -54,7 +54,7 @@ void grad_rows(const InitRoutingGradPlan& p, int64_t begin, int64_t end) {
 void InitRoutingBackward(const InitRoutingGradPlan& p) {
   dispatch_float(p.grad_expanded_x.dtype, "grad_expanded_x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.R, grain_rows(p.H * p.K),
+    parallel_for(p.R, grain_rows(mul_sat(p.H, p.K)),  // top_k is unbounded when R = 0
                  [&](int64_t b, int64_t e) { grad_rows<T>(p, b, e); });
   });
 }
