@@ -273,6 +273,51 @@ TEST(Fuzzed, OptionalTensorsWithNullDataAreRejectedNotRead) {
   EXPECT_EQ(aclDestroyAclOpExecutor(ex), ACLNN_SUCCESS);
 }
 
+// ---- found by fuzzing: sizes from attributes in the routing extensions (L52) ----
+
+TEST(Fuzzed, InitRoutingGradWithoutTokensAcceptsAnyTopK) {
+  Tensor gex({0, 4}, ACL_FLOAT), idx({0}, ACL_INT32), gx({0, 4}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  ASSERT_EQ(aclnnMoeInitRoutingV2GradGetWorkspaceSize(gex.handle(), idx.handle(), kI64Max, 0, 0,
+                                                      gx.handle(), &ws, &ex),
+            ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+  EXPECT_EQ(aclnnMoeInitRoutingV2Grad(nullptr, 0, ex, nullptr), ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+}
+
+TEST(Fuzzed, InitRoutingHugeExpertNumIsAnErrorNotAnOverflowedWorkspace) {
+  Tensor x({2, 4}, ACL_FLOAT), eidx = Tensor::from_i32({2, 1}, {0, 1}), ex({2, 4}, ACL_FLOAT),
+      idx({2}, ACL_INT32);
+  uint64_t ws = 0;
+  aclOpExecutor* e = nullptr;
+  expect_fails(aclnnMoeInitRoutingV2GetWorkspaceSize(x.handle(), eidx.handle(), 0, 0, kI64Max, 0,
+                                                     0, false, ex.handle(), idx.handle(), nullptr,
+                                                     nullptr, &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "expert_num");
+}
+
+TEST(Fuzzed, FinalizeBiasGradNamesTheOddTensorAndBoundsExpertNum) {
+  Tensor gy({3, 4}, ACL_FLOAT), eidx = Tensor::from_i32({3, 2}, {0, 1, 2, 0, 1, 2}),
+      scales({2, 2}, ACL_FLOAT), gb({3, 4}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* e = nullptr;
+  expect_fails(aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(gy.handle(), eidx.handle(),
+                                                               scales.handle(), 3, gb.handle(),
+                                                               &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "scales");
+  Tensor gy2({2, 4}, ACL_FLOAT), scales3({3, 2}, ACL_FLOAT);
+  expect_fails(aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(gy2.handle(), eidx.handle(),
+                                                               scales3.handle(), 3, gb.handle(),
+                                                               &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "grad_y");
+  expect_fails(aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(gy.handle(), eidx.handle(),
+                                                               scales3.handle(), kI64Max,
+                                                               gb.handle(), &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "expert_num");
+}
+
 // ---- dtype messages (L53) ----
 
 TEST(DtypeMessages, NameTheDtypeSeenAndTheAcceptedOnesOnce) {
