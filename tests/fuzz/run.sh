@@ -21,7 +21,7 @@ for exe in "$BUILD"/tests/fuzz/fuzz_*; do
   log="$BUILD/$name.log"
   echo "== $name: ${SECONDS_EACH}s${RUNS:+ (runs $RUNS)}"
   if ! "$exe" -max_total_time="$SECONDS_EACH" -runs="$RUNS" -timeout=20 -rss_limit_mb=2048 \
-      -max_len=2048 -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$name-" \
+      -max_len="${FUZZ_MAX_LEN:-512}" -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$name-" \
       "$work" "$seeds" >"$log" 2>&1; then
     echo "FINDING in $name (log: $log)"; tail -n 40 "$log"; status=1
     continue
