@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import moe_finalize_routing, moe_gating_top_k, moe_init_routing, swiglu_group
+import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
 
@@ -157,6 +157,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32,
                                                               device=device))
         self.aux_loss: Optional[Tensor] = None
+        self.last_expert_idx: Optional[Tensor] = None   # [T, K] of the last forward
         self.reset_parameters()
 
     def reset_parameters(self, generator: Optional[torch.Generator] = None):
@@ -176,7 +177,7 @@ class MoE(nn.Module):
         logits = F.linear(x, self.gate).float()
         sigmoid = self.score == "sigmoid"
         want_scores = self.aux_loss_coef > 0 and self.training
-        y, idx, norm = moe_gating_top_k(
+        y, idx, norm = _mg.moe_gating_top_k(
             logits, self.top_k, bias=self.selection_bias if sigmoid else None,
             k_group=self.topk_group, group_count=self.n_group,
             group_select_mode=1 if sigmoid else 0, renorm=0 if sigmoid else 1,
@@ -188,19 +189,19 @@ class MoE(nn.Module):
     def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
         up = grouped_mm(rows, self.w_up, counts)
-        act = swiglu_group(up, group_index=counts, clamp_limit=self.clamp_limit)
+        act = _mg.swiglu_group(up, group_index=counts, clamp_limit=self.clamp_limit)
         return grouped_mm(act, self.w_down, counts)
 
     def _experts_padded(self, rows: Tensor) -> Tensor:
         """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""
         up = torch.bmm(rows, self.w_up)
-        act = swiglu_group(up, clamp_limit=self.clamp_limit)
+        act = _mg.swiglu_group(up, clamp_limit=self.clamp_limit)
         return torch.bmm(act, self.w_down)
 
     def _shared(self, x: Tensor) -> Optional[Tensor]:
         if self.shared_up is None:
             return None
-        return swiglu_group(x @ self.shared_up, clamp_limit=self.clamp_limit) @ self.shared_down
+        return _mg.swiglu_group(x @ self.shared_up, clamp_limit=self.clamp_limit) @ self.shared_down
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -210,14 +211,15 @@ class MoE(nn.Module):
         x = x.reshape(-1, self.hidden)
         T, E, K = x.shape[0], self.num_experts, self.top_k
         weights, idx, scores = self.route(x)
+        self.last_expert_idx = idx.detach()
         if self.capacity_factor is not None:
             cap = max(1, math.ceil(self.capacity_factor * T * K / E))
-            ex, row_idx, counts = moe_init_routing(x, idx, expert_num=E, drop_pad_mode=1,
+            ex, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E, drop_pad_mode=1,
                                                    expert_capacity=cap)
             out_rows = self._experts_padded(ex)
             mode = 3
         else:
-            ex, row_idx, counts = moe_init_routing(x, idx, expert_num=E)
+            ex, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
             if self.ep_group is None:
                 out_rows = self._experts(ex, counts)
             else:
@@ -233,7 +235,7 @@ class MoE(nn.Module):
             self.aux_loss = self.aux_loss_coef * E * (f * p.mean(0)).sum()
         else:
             self.aux_loss = None
-        y = moe_finalize_routing(out_rows, row_idx, x1=self._shared(x), scales=weights,
+        y = _mg.moe_finalize_routing(out_rows, row_idx, x1=self._shared(x), scales=weights,
                                  drop_pad_mode=mode, k=K)
         return y.reshape(shape)
 
@@ -254,10 +256,10 @@ class MoE(nn.Module):
         # a second, K = 1 permutation (stable, so the source order is kept within an expert).
         local_ids = torch.repeat_interleave(
             torch.arange(El, device=ex.device).repeat(W), recv_counts.reshape(-1))
-        rows, idx2, counts2 = moe_init_routing(recv, local_ids.to(torch.int32).unsqueeze(1),
+        rows, idx2, counts2 = _mg.moe_init_routing(recv, local_ids.to(torch.int32).unsqueeze(1),
                                                expert_num=El)
         out = self._experts(rows, counts2)
-        back = moe_finalize_routing(out, idx2, drop_pad_mode=2, k=1)   # receive order again
+        back = _mg.moe_finalize_routing(out, idx2, drop_pad_mode=2, k=1)   # receive order again
         return all_to_all(back, in_splits, out_splits, g)      # [T*K, H] in local sorted order
 
     # -- load balancing ---------------------------------------------------------------------
