@@ -374,7 +374,8 @@ def swiglu_trunc(T, group_index):
     if group_index is None:
         return T
     gi = as_i64(group_index).reshape(-1)
-    return int(min(max(int(np.sum(gi, dtype=np.int64)), 0), T))
+    total = sum(int(v) for v in gi)  # exact: numpy's int64 sum would wrap around (L52)
+    return int(min(max(total, 0), T))
 
 
 def _split(x):
