@@ -819,6 +819,10 @@ def report(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:
+        from .bench_layer import main as layer_main
+        return layer_main(argv)
     args = parse_args(argv)
     if args.from_json:
         return report(args)
