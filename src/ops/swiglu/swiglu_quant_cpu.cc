@@ -99,14 +99,56 @@ struct QClamp {
   }
 };
 
+// Vector FP8 encoder: the same integer steps as to_e4m3fn / to_e5m2 on whole lanes.
+template <bool kE5M2>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8(DF d, VF q) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const auto u = hn::BitCast(du, q);
+  const auto sign = hn::And(hn::ShiftRight<24>(u), hn::Set(du, 0x80u));
+  const auto a = hn::And(u, hn::Set(du, 0x7fffffffu));
+  const auto ai = hn::BitCast(di, a);  // < 2^31: signed compares are exact
+  constexpr uint32_t kBig = kE5M2 ? 0x47800000u : 0x43f00000u;
+  constexpr uint32_t kMinNormal = kE5M2 ? 0x38800000u : 0x3c800000u;
+  constexpr uint32_t kRebias = kE5M2 ? 0xc8000000u : 0xc4000000u;  // (bias - 127) << 23
+  constexpr uint32_t kHalf = kE5M2 ? 0xfffffu : 0x7ffffu;
+  constexpr int kShift = kE5M2 ? 21 : 20;
+  const auto odd = hn::And(hn::ShiftRight<kShift>(a), hn::Set(du, 1u));
+  const auto normal =
+      hn::ShiftRight<kShift>(hn::Add(hn::Add(a, hn::Set(du, kRebias + kHalf)), odd));
+  const float magic = kE5M2 ? 128.0f : 16384.0f;
+  const auto sub = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(d, a), hn::Set(d, magic))),
+                           hn::Set(du, f32_bits(magic)));
+  auto r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(ai, hn::Set(di, static_cast<int32_t>(kMinNormal)))), sub, normal);
+  auto big_code = hn::Set(du, kE5M2 ? 0x7cu : 0x7fu);
+  if (kE5M2) {  // NaN (above the infinity's bits) keeps a NaN code
+    big_code = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7f800000))),
+                              hn::Set(du, 0x7fu), big_code);
+  }
+  r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, static_cast<int32_t>(kBig - 1)))),
+                     big_code, r);
+  return hn::Or(r, sign);
+}
+
 // Quantises n (<= block) values: returns the scale, writes n codes.
 template <bool kE5M2>
 HWY_INLINE float QuantBlock(const float* HWY_RESTRICT v, int64_t n, float fmax, bool round_scale,
                             uint8_t* HWY_RESTRICT out) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
+  const DF d;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint8_t, DF> d8;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const VF fin = hn::Set(d, 3.4028235e38f);
+  VF vmax = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VF a = hn::Abs(hn::LoadU(d, v + i));
+    vmax = hn::Max(vmax, hn::IfThenElseZero(hn::Le(a, fin), a));  // finite values only
+  }
+  float amax = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  for (; i < n; ++i) {
     const float a = std::fabs(v[i]);
-    amax = (a <= 3.4028235e38f && a > amax) ? a : amax;  // finite values only
+    amax = (a <= 3.4028235e38f && a > amax) ? a : amax;
   }
   const float ah = std::max(amax, kAmaxFloor);
   float scale = ah / fmax;
@@ -117,7 +159,14 @@ HWY_INLINE float QuantBlock(const float* HWY_RESTRICT v, int64_t n, float fmax, 
   } else {
     inv = fmax / ah;
   }
-  for (int64_t i = 0; i < n; ++i) {
+  const VF vinv = hn::Set(d, inv);
+  i = 0;
+  for (; i + N <= n; i += N) {
+    const auto codes = EncodeFp8<kE5M2>(d, hn::Mul(hn::LoadU(d, v + i), vinv));
+    hn::StoreU(hn::TruncateTo(d8, codes), d8, out + i);
+  }
+  (void)du;
+  for (; i < n; ++i) {
     const float q = v[i] * inv;
     out[i] = kE5M2 ? to_e5m2(q) : to_e4m3fn(q);
   }
