@@ -2,17 +2,19 @@
 
 #include <vector>
 
+#include "core/convert.h"
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
 
 namespace moegrad {
 
-void check_index_range(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
-                       int64_t lo, int64_t hi) {
-  if (idx.device != Device::kCPU) return;
-  const int32_t* p = static_cast<const int32_t*>(idx.data);
-  const int64_t n = idx.numel();
+namespace {
+
+template <typename I>
+void range_impl(const Validator& v, int32_t code, const I* p, int64_t n, const char* arg,
+                int64_t lo, int64_t hi) {
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] < lo || p[i] >= hi) {
       v.fail(code, arg, cat("values must lie in [", lo, ", ", hi, "); got ", p[i],
@@ -21,11 +23,9 @@ void check_index_range(const Validator& v, int32_t code, const TensorView& idx, 
   }
 }
 
-void check_index_unique(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
-                        int64_t hi) {
-  if (idx.device != Device::kCPU) return;
-  const int32_t* p = static_cast<const int32_t*>(idx.data);
-  const int64_t n = idx.numel();
+template <typename I>
+void unique_impl(const Validator& v, int32_t code, const I* p, int64_t n, const char* arg,
+                 int64_t hi) {
   std::vector<int64_t> first(static_cast<size_t>(hi), -1);
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] < 0) continue;
@@ -36,6 +36,40 @@ void check_index_unique(const Validator& v, int32_t code, const TensorView& idx,
     }
     seen = i;
   }
+}
+
+}  // namespace
+
+void check_index_range(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
+                       int64_t lo, int64_t hi) {
+  if (idx.device != Device::kCPU) return;
+  if (idx.dtype == DType::kInt64) {
+    range_impl(v, code, static_cast<const int64_t*>(idx.data), idx.numel(), arg, lo, hi);
+  } else {
+    range_impl(v, code, static_cast<const int32_t*>(idx.data), idx.numel(), arg, lo, hi);
+  }
+}
+
+void check_index_unique(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
+                        int64_t hi) {
+  if (idx.device != Device::kCPU) return;
+  if (idx.dtype == DType::kInt64) {
+    unique_impl(v, code, static_cast<const int64_t*>(idx.data), idx.numel(), arg, hi);
+  } else {
+    unique_impl(v, code, static_cast<const int32_t*>(idx.data), idx.numel(), arg, hi);
+  }
+}
+
+Slot index_scratch(WorkspaceLayout& layout, const TensorView& t) {
+  return layout.add<int32_t>(t.dtype == DType::kInt64 ? t.numel() : 0);
+}
+
+const int32_t* index32(const TensorView& t, int32_t* scratch) {
+  if (t.dtype != DType::kInt64) return static_cast<const int32_t*>(t.data);
+  const int64_t* src = static_cast<const int64_t*>(t.data);
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) scratch[i] = narrow_index(src[i]);
+  return scratch;
 }
 
 void require_cpu(const char* op, const TensorView& t) {

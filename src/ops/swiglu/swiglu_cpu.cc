@@ -1,6 +1,7 @@
 // CPU kernels of SwiGLU forward (§6.4 without quantisation) and backward (§5.5), compiled once
 // per SIMD target (Highway) and dispatched at run time. Rows split across threads; each row in
-// chunks widened to fp32 in L1 scratch; rows past the group_index total are zero-filled.
+// chunks widened to fp32 in L1 scratch (per thread, from the workspace); rows past the
+// group_index total are zero-filled.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/swiglu_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -9,9 +10,9 @@
 #include <cstring>
 
 #include "core/dtype.h"
+#include "core/host.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
-#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "ops/swiglu/swiglu.h"
 
@@ -19,8 +20,6 @@ HWY_BEFORE_NAMESPACE();
 namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
-
-int64_t GrainRows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 
 // The clamp of §5.5 step 2 (x0 <- min(x0, c); x1 <- clamp(x1, -c, c)); NaN passes through.
 struct Clamp {
@@ -34,7 +33,7 @@ struct Clamp {
 };
 
 template <typename T>
-void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end) {
+void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin, int64_t end) {
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t H = p.H;
@@ -42,9 +41,8 @@ void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   T* y = typed<T>(p.y);
   const Clamp clamp(d, p.clamp);
-  auto buf = hwy::AllocateAligned<float>(4 * kChunk);
-  std::fill(buf.get(), buf.get() + 4 * kChunk, 0.0f);
-  float* a = buf.get();
+  std::fill(buf, buf + 4 * kChunk, 0.0f);
+  float* a = buf;
   float* b = a + kChunk;
   float* o = b + kChunk;
   T* stage = reinterpret_cast<T*>(o + kChunk);
@@ -83,21 +81,22 @@ void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end
 }
 
 template <typename T>
-void BackwardRows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_t end) {
+void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t begin,
+                  int64_t end) {
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t H = p.H;
   const T* gy = typed<T>(p.grad_y);
   const T* x = typed<T>(p.x);
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
-  const T* yo = p.has_grad_weight ? typed<T>(p.y_origin) : nullptr;
+  const bool want_gw = p.wants_grad_weight();
+  const T* yo = want_gw ? typed<T>(p.y_origin) : nullptr;
   T* gx = typed<T>(p.grad_x);
-  float* gw = p.has_grad_weight ? typed<float>(p.grad_weight) : nullptr;
+  float* gw = want_gw ? typed<float>(p.grad_weight) : nullptr;
   const Clamp clamp(d, p.clamp);
   const VF one = hn::Set(d, 1.0f);
-  auto buf = hwy::AllocateAligned<float>(6 * kChunk);
-  std::fill(buf.get(), buf.get() + 6 * kChunk, 0.0f);
-  float* a = buf.get();
+  std::fill(buf, buf + 6 * kChunk, 0.0f);
+  float* a = buf;
   float* b = a + kChunk;
   float* g = b + kChunk;
   float* ga = g + kChunk;
@@ -164,21 +163,23 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_
 
 }  // namespace
 
-void SwigluForward(const SwigluPlan& p) {
+void SwigluForward(const SwigluPlan& p, const Workspace& ws) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.T, GrainRows(p.H),
-                 [&](int64_t b, int64_t e) { ForwardRows<T>(p, active, b, e); });
+    parallel_rows(p.T, p.threads, [&](int tid, int64_t b, int64_t e) {
+      ForwardRows<T>(p, active, ws.get<float>(p.ws_chunks, tid), b, e);
+    });
   });
 }
 
-void SwigluBackward(const SwigluGradPlan& p) {
+void SwigluBackward(const SwigluGradPlan& p, const Workspace& ws) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.T, GrainRows(p.H),
-                 [&](int64_t b, int64_t e) { BackwardRows<T>(p, active, b, e); });
+    parallel_rows(p.T, p.threads, [&](int tid, int64_t b, int64_t e) {
+      BackwardRows<T>(p, active, ws.get<float>(p.ws_chunks, tid), b, e);
+    });
   });
 }
 
@@ -191,7 +192,28 @@ namespace moegrad {
 HWY_EXPORT(SwigluForward);
 HWY_EXPORT(SwigluBackward);
 
-void swiglu_cpu(const SwigluPlan& plan) { HWY_DYNAMIC_DISPATCH(SwigluForward)(plan); }
-void swiglu_grad_cpu(const SwigluGradPlan& plan) { HWY_DYNAMIC_DISPATCH(SwigluBackward)(plan); }
+namespace {
+int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+}  // namespace
+
+void swiglu_cpu_size(SwigluPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.T, grain_rows(p.H));
+  p.ws_chunks = layout.add<float>(4 * kRowChunk, p.threads);  // a, b, out, narrowed stage
+}
+
+void swiglu_cpu(const SwigluPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.y);
+  HWY_DYNAMIC_DISPATCH(SwigluForward)(plan, ws);
+}
+
+void swiglu_grad_cpu_size(SwigluGradPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.T, grain_rows(p.H));
+  p.ws_chunks = layout.add<float>(6 * kRowChunk, p.threads);  // a, b, g, ga, gb, stage
+}
+
+void swiglu_grad_cpu(const SwigluGradPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.grad_x);
+  HWY_DYNAMIC_DISPATCH(SwigluBackward)(plan, ws);
+}
 }  // namespace moegrad
 #endif  // HWY_ONCE
