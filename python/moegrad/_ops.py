@@ -63,7 +63,7 @@ def _args(inputs, defaults):
 
 
 # ---------------------------------------------------------------------------------------------
-# Gating top-k (spec §1, §2)
+# Gating top-k (§1, §2)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::moe_gating_top_k", mutates_args=())
 def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: int = 1,
@@ -119,7 +119,7 @@ def _gating_backward(ctx, grad_y, _grad_idx, grad_norm):
         raise NotImplementedError(
             "moegrad.moe_gating_top_k: the backward supports norm_type=1 (sigmoid) only, like "
             f"CANN's MoeGatingTopKBackward; got norm_type={norm_type} (softmax / sqrt-softplus "
-            "gradients are tracked separately, decisions.md D21)")
+            "gradients: docs/decisions.md D22)")
     x, idx, norm = ctx.saved_tensors
     x_norm = norm if out_flag else torch.sigmoid(x.float())
     # With a norm_out gradient both terms are summed in fp32 and rounded once (D12).
@@ -135,7 +135,7 @@ moe_gating_top_k.register_autograd(_gating_backward, setup_context=_gating_setup
 
 
 # ---------------------------------------------------------------------------------------------
-# Finalize routing (spec §3, §4, §7.3)
+# Finalize routing (§3, §4, §7.3)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::moe_finalize_routing", mutates_args=())
 def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
@@ -225,11 +225,11 @@ def _finalize_backward(ctx, grad_out):
     if ctx.mode not in (0, 1):
         raise NotImplementedError(
             "moegrad.moe_finalize_routing: backward supports drop_pad_mode 0 and 1 (column "
-            f"layout) like CANN's autograd (spec §7.3); got drop_pad_mode={ctx.mode}")
+            f"layout) like CANN's autograd (docs/operators.md §7.3); got drop_pad_mode={ctx.mode}")
     needs = _needs(ctx, 9)
     if needs[2] or needs[3] or needs[4]:
         warnings.warn("moegrad.moe_finalize_routing: gradients of x1, x2 and bias are not "
-                      "computed (returned as None, spec §7.3); add residuals outside the op",
+                      "computed (None, docs/operators.md §7.3); add residuals outside the op",
                       stacklevel=2)
     nones = [None] * 9
     want_x, want_s = needs[0], ctx.has_scales and needs[5]
@@ -260,7 +260,7 @@ moe_finalize_routing.register_autograd(_finalize_backward, setup_context=_finali
 
 
 # ---------------------------------------------------------------------------------------------
-# SwiGLU (spec §5, §6.4)
+# SwiGLU (§5, §6.4)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::swiglu_group", mutates_args=())
 def swiglu_group(x: Tensor, weight: Optional[Tensor] = None,

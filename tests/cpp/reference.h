@@ -1,4 +1,4 @@
-// Plain float64 reference loops of the six operators, written from spec/operators.md and
+// Plain float64 reference loops of the six operators, written from docs/operators.md and
 // decisions.md only (no library code). Inputs are the values the tensors hold (already rounded
 // to their dtype), row-major. Each function also returns a per-element `scale` (magnitude of
 // the terms that were summed or cancelled) for the tolerance model of test_util.h.

@@ -444,7 +444,7 @@ def swiglu_mag(gy, x, w, c):
 def _trunc(group_index, T):
     if group_index is None:
         return T
-    return max(0, min(int(group_index.sum()), T))
+    return max(0, min(sum(int(v) for v in group_index.reshape(-1).tolist()), T))  # exact sum
 
 
 SWIGLU_CFGS = [

@@ -1,4 +1,4 @@
-// Validation, shape inference and planning of the gating top-k operators (spec §1.6, §2.5).
+// Validation, shape inference and planning of the gating top-k operators (§1.6, §2.5).
 #include "ops/gating_topk/gating_topk.h"
 
 #include <cmath>
@@ -136,16 +136,19 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   v.contiguous(*expert_idx, "expert_idx");
   if (with_outputs) v.contiguous(*grad_x, "grad_x");
   v.rank(*x_norm, "x_norm", 2);
-  const int64_t M = x_norm->shape[0], N = x_norm->shape[1];
+  v.rank(*grad_y, "grad_y", 2);
+  v.rank(*expert_idx, "expert_idx", 2);
+  const int64_t N = x_norm->shape[1];
   v.check_shape(N >= 2 && N <= kMaxExperts, "x_norm",
                 cat("expert count N (dim 1) must satisfy 2 <= N <= 2048; got ", N));
-  v.rank(*grad_y, "grad_y", 2);
-  v.dim(*grad_y, "grad_y", 0, M, "the token count M of x_norm");
+  // The odd one out is blamed: x_norm with a wrong M is named as x_norm (L50).
+  const int64_t M = v.agree("token count M", {dim_claim(*x_norm, "x_norm", 0),
+                                              dim_claim(*grad_y, "grad_y", 0),
+                                              dim_claim(*expert_idx, "expert_idx", 0)});
   const int64_t K = grad_y->shape[1];
   v.check_shape(K >= 1 && K <= N, "grad_y",
                 cat("top-k K (dim 1) must satisfy 1 <= K <= N (", N, "); got ", K));
-  v.rank(*expert_idx, "expert_idx", 2);
-  v.shape(*expert_idx, "expert_idx", {M, K});
+  v.agree("top-k K", {dim_claim(*grad_y, "grad_y", 1), dim_claim(*expert_idx, "expert_idx", 1)});
   v.check_shape(a.norm_type == 1, "norm_type",
                 cat("must be 1 (sigmoid, the only supported mode); got ", a.norm_type));
   v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",

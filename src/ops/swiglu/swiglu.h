@@ -18,7 +18,6 @@ struct SwigluPlan : PlanBase {
   float clamp = -1.0f;
   int64_t T = 0, H = 0;
   Shape y_shape;
-  Slot ws_chunks;  // CPU scratch, one copy per thread
   std::array<TensorView*, 1> output_views() { return {&y}; }
 };
 
@@ -28,7 +27,6 @@ struct SwigluGradPlan : PlanBase {
   float clamp = -1.0f;
   int64_t T = 0, H = 0;
   Shape grad_x_shape, grad_weight_shape;
-  Slot ws_chunks;  // CPU scratch, one copy per thread
   std::array<TensorView*, 2> output_views() { return {&grad_x, &grad_weight}; }
   // grad_weight is computed when a weight is given and the output is bound (L7).
   bool wants_grad_weight() const { return has_weight && grad_weight.ndim > 0; }

@@ -1,7 +1,8 @@
 // CPU kernels of SwiGLU forward (§6.4 without quantisation) and backward (§5.5), compiled once
 // per SIMD target (Highway) and dispatched at run time. Rows split across threads; each row in
-// chunks widened to fp32 in L1 scratch (per thread, from the workspace); rows past the
-// group_index total are zero-filled.
+// chunks widened to fp32 in L1 scratch; rows past the group_index total are zero-filled. The
+// scratch is a fixed 32 KB (forward) / 48 KB (backward) per thread, so it lives on the stack and
+// the ops need no workspace (C callers may pass none, as its size is then 0).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/swiglu_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -163,22 +164,24 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
 
 }  // namespace
 
-void SwigluForward(const SwigluPlan& p, const Workspace& ws) {
+void SwigluForward(const SwigluPlan& p) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_rows(p.T, p.threads, [&](int tid, int64_t b, int64_t e) {
-      ForwardRows<T>(p, active, ws.get<float>(p.ws_chunks, tid), b, e);
+    parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
+      HWY_ALIGN float buf[4 * kChunk];
+      ForwardRows<T>(p, active, buf, b, e);
     });
   });
 }
 
-void SwigluBackward(const SwigluGradPlan& p, const Workspace& ws) {
+void SwigluBackward(const SwigluGradPlan& p) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_rows(p.T, p.threads, [&](int tid, int64_t b, int64_t e) {
-      BackwardRows<T>(p, active, ws.get<float>(p.ws_chunks, tid), b, e);
+    parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
+      HWY_ALIGN float buf[6 * kChunk];
+      BackwardRows<T>(p, active, buf, b, e);
     });
   });
 }
@@ -196,24 +199,22 @@ namespace {
 int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 }  // namespace
 
-void swiglu_cpu_size(SwigluPlan& p, WorkspaceLayout& layout) {
-  p.threads = plan_threads(p.T, grain_rows(p.H));
-  p.ws_chunks = layout.add<float>(4 * kRowChunk, p.threads);  // a, b, out, narrowed stage
+void swiglu_cpu_size(SwigluPlan& p, WorkspaceLayout&) {
+  p.threads = plan_threads(p.T, grain_rows(p.H));  // scratch on the stack (bounded)
 }
 
-void swiglu_cpu(const SwigluPlan& plan, const Workspace& ws, void*) {
+void swiglu_cpu(const SwigluPlan& plan, const Workspace&, void*) {
   advise_output(plan.y);
-  HWY_DYNAMIC_DISPATCH(SwigluForward)(plan, ws);
+  HWY_DYNAMIC_DISPATCH(SwigluForward)(plan);
 }
 
-void swiglu_grad_cpu_size(SwigluGradPlan& p, WorkspaceLayout& layout) {
-  p.threads = plan_threads(p.T, grain_rows(p.H));
-  p.ws_chunks = layout.add<float>(6 * kRowChunk, p.threads);  // a, b, g, ga, gb, stage
+void swiglu_grad_cpu_size(SwigluGradPlan& p, WorkspaceLayout&) {
+  p.threads = plan_threads(p.T, grain_rows(p.H));  // scratch on the stack (bounded)
 }
 
-void swiglu_grad_cpu(const SwigluGradPlan& plan, const Workspace& ws, void*) {
+void swiglu_grad_cpu(const SwigluGradPlan& plan, const Workspace&, void*) {
   advise_output(plan.grad_x);
-  HWY_DYNAMIC_DISPATCH(SwigluBackward)(plan, ws);
+  HWY_DYNAMIC_DISPATCH(SwigluBackward)(plan);
 }
 }  // namespace moegrad
 #endif  // HWY_ONCE
