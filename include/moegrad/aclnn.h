@@ -124,7 +124,9 @@ MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopK(void* workspace, uint64_t workspace
                                              aclOpExecutor* executor, aclrtStream stream);
 
 /* ---- MoeGatingTopKBackward (§1). xNorm [M,N] fp32, gradY [M,K] fp32/fp16/bf16,
- * expertIdx [M,K] int32, normType must be 1, out [M,N] gradY dtype. Errors: 161001 / 161002. */
+ * expertIdx [M,K] int32, out [M,N] gradY dtype. normType 1 (sigmoid), and beyond the vendor
+ * 0 (softmax, renorm 0 or 1; xNorm = softmax output) and 2 (sqrt-softplus, always renormalised;
+ * xNorm = sqrt(softplus(x))). Errors: 161001 / 161002. */
 MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
     const aclTensor* xNorm, const aclTensor* gradY, const aclTensor* expertIdx, int64_t renorm,
     int64_t normType, double routedScalingFactor, double eps, const aclTensor* out,
@@ -155,6 +157,20 @@ MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2GradGetWorkspaceSize(
 MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2Grad(void* workspace, uint64_t workspaceSize,
                                                         aclOpExecutor* executor,
                                                         aclrtStream stream);
+
+/* ---- MoeFinalizeRoutingBiasGrad (moegrad extension, docs/decisions.md L22): the gradient of
+ * MoeFinalizeRoutingV2's biasOptional. gradBiasOut[e,:] = sum over slots (r,k) with
+ * expertIdx[r,k] = e of scales[r,k] * gradY[r,:] (scale 1 without scales), dropped slots
+ * included. gradY (R,H) fp32/fp16/bf16, expertIdx (R,K) int32 in [0, expertNum), scalesOptional
+ * (R,K), gradBiasOut (expertNum,H) gradY dtype. Deterministic (fixed order, no atomics); needs
+ * a workspace (its size is returned by stage one). Shape/value errors: 561103. */
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* expertIdx, const aclTensor* scalesOptional,
+    int64_t expertNum, const aclTensor* gradBiasOut, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingBiasGrad(void* workspace, uint64_t workspaceSize,
+                                                          aclOpExecutor* executor,
+                                                          aclrtStream stream);
 
 /* ---- SwigluGroupQuantGrad (§5). gradY [...,H], x [...,2H] (fp32/fp16/bf16, same dtype),
  * weightOptional fp32 numel T (requires yOriginOptional, the UNWEIGHTED activation), groupIndex

@@ -134,15 +134,16 @@ MOEGRAD_API ExecutorPtr plan_moe_gating_top_k(const TensorView* x, const TensorV
 MOEGRAD_API std::vector<Shape> infer_moe_gating_top_k(const TensorView* x, const TensorView* bias,
                                                       const GatingTopKAttrs& attrs);
 
-// ---- Gating top-k backward (§1; D1, D2, D3, D15) ----
+// ---- Gating top-k backward (§1; D1, D2, D3, D15, D22; L20) ----
 struct GatingTopKBackwardAttrs {
-  int64_t renorm = 0;     // reserved, ignored
-  int64_t norm_type = 1;  // must be 1 (sigmoid)
+  int64_t renorm = 0;     // softmax only: 0 or 1 as in the forward; ignored for norm_type 1/2
+  int64_t norm_type = 1;  // 0 softmax, 1 sigmoid (default), 2 sqrt(softplus)
   double routed_scaling_factor = 1.0;
   double eps = 1e-20;
 };
-// x_norm [M,N] fp32 (2 <= N <= 2048); grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K] int32 or int64 in
-// [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
+// x_norm [M,N] fp32 (2 <= N <= 2048), the forward's norm_out: softmax, sigmoid or
+// sqrt(softplus) of the logits per norm_type; grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K]
+// int32 or int64 in [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
 MOEGRAD_API ExecutorPtr plan_moe_gating_top_k_backward(const TensorView* x_norm,
                                                        const TensorView* grad_y,
                                                        const TensorView* expert_idx,
@@ -188,6 +189,22 @@ MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_grad(
     const TensorView* grad_y, const TensorView* expanded_row_idx, const TensorView* expanded_x,
     const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
     const FinalizeRoutingGradAttrs& attrs);
+
+// ---- Finalize routing bias gradient (moegrad extension, D23; L22) ----
+// grad_bias[e, :] = sum over slots (r, k) with expert_idx[r, k] = e of scales[r, k] * grad_y[r, :]
+// (scale 1 without scales), dropped slots included (they carry the bias term, D7). fp32 sums in
+// slot order r*K + k, narrowed once; deterministic for any thread count (no atomics).
+struct FinalizeRoutingBiasGradAttrs {
+  int64_t expert_num = 0;  // E >= 1 (rows of bias)
+};
+// grad_y (R,H) fp32/fp16/bf16; expert_idx (R,K) int32 in [0,E) (required); scales (R,K)
+// fp32/fp16/bf16 or null; grad_bias (E,H) grad_y.dtype. Shape/value errors: 561103.
+MOEGRAD_API ExecutorPtr plan_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs, const TensorView* grad_bias);
+MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs);
 
 // ---- SwiGLU forward with weight / clamp / group_index (§5.5, §6.4; D9, D11; L8, L9) ----
 struct SwigluAttrs {
@@ -248,6 +265,9 @@ MOEGRAD_API ExecutorPtr prepare_moe_finalize_routing_grad(
 MOEGRAD_API ExecutorPtr prepare_swiglu_group(const TensorView* x, const TensorView* weight,
                                              const TensorView* group_index,
                                              const SwigluAttrs& attrs);
+MOEGRAD_API ExecutorPtr prepare_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs);
 // grad_weight (output 1) is optional: bound to nullptr it is not computed.
 MOEGRAD_API ExecutorPtr prepare_swiglu_group_quant_grad(const TensorView* grad_y,
                                                         const TensorView* x,

@@ -49,7 +49,8 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
     renorm=1, then multiplied by routed_scaling_factor.
 
     Returns (y [M, k] x.dtype, expert_idx [M, k] int32, norm_out [M, N] float32 — the scores
-    without bias when out_flag, zeros otherwise). Differentiable w.r.t. x for norm_type=1.
+    without bias when out_flag, zeros otherwise). Differentiable w.r.t. x for every norm_type
+    (a gradient reaching norm_out is included).
     Errors: MoeError 161001/161002 (null, dtype), 561002 (shapes, attributes).
     """
     return torch.ops.moegrad.moe_gating_top_k(x, k, bias, k_group, group_count,
@@ -60,11 +61,13 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
 def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
                               renorm: int = 0, norm_type: int = 1,
                               routed_scaling_factor: float = 1.0, eps: float = 1e-20) -> Tensor:
-    """Gradient of the sigmoid gating top-k w.r.t. the logits (§1, D1-D3, D15).
+    """Gradient of the gating top-k w.r.t. the logits (docs/operators.md §1, D1-D3, D15, D22).
 
-    x_norm: [M, N] float32 sigmoid scores (2 <= N <= 2048); grad_y: [M, K] float32/float16/
-    bfloat16; expert_idx: [M, K] int32 (int64 accepted) in [0, N), repeats summed. norm_type
-    must be 1. Returns grad_x [M, N] in grad_y's dtype. Errors: MoeError 161002 for every rule.
+    x_norm: [M, N] float32, the forward's normalised scores (norm_out): sigmoid (norm_type 1,
+    the default), softmax (norm_type 0, with renorm 0 or 1 as in the forward) or
+    sqrt(softplus) (norm_type 2, always renormalised); 2 <= N <= 2048. grad_y: [M, K] float32/
+    float16/bfloat16; expert_idx: [M, K] int32 (int64 accepted) in [0, N), repeats summed.
+    Returns grad_x [M, N] in grad_y's dtype. Errors: MoeError 161002 for every rule.
     """
     return torch.ops.moegrad.moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm,
                                                        norm_type, routed_scaling_factor, eps)
@@ -82,7 +85,8 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     [r*K + k] (2/3, row layout). Modes 0/2: expanded_x (R*K, H); modes 1/3: (E, C, H) and
     index -1 marks a dropped slot (it keeps its scale * bias term). Missing scales count as 1.
     R = scales/expert_idx/x1 rows, else len(expanded_row_idx) // k. Returns (R, H) in
-    expanded_x's dtype. Differentiable w.r.t. expanded_x and scales for modes 0/1 (§7.3).
+    expanded_x's dtype. Differentiable in every mode w.r.t. expanded_x, scales, x1, x2 (their
+    gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
     Errors: MoeError 161001/161002, 561103 (shapes, index values).
     """
     return torch.ops.moegrad.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,

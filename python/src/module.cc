@@ -193,6 +193,12 @@ NB_MODULE(_C, m) {
           return planned(prepare_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales),
                                                            a(eidx), a(bias), at));
         });
+  m.def("plan_moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num) {
+          Args a;
+          return planned(prepare_moe_finalize_routing_bias_grad(
+              a(gy), a(eidx), a(scales), FinalizeRoutingBiasGradAttrs{expert_num}));
+        });
   m.def("plan_swiglu_group",
         [](const Opt& x, const Opt& weight, const Opt& group_index, double clamp_limit) {
           Args a;
@@ -282,6 +288,23 @@ NB_MODULE(_C, m) {
           FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity};
           return infer_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales), a(eidx),
                                                  a(bias), at);
+        });
+
+  // ---- finalize routing bias gradient (moegrad extension, D23) ----
+  m.def("moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num,
+           const Opt& gb) {
+          Args a;
+          c_index_rule("moe_finalize_routing_bias_grad", eidx, "expert_idx");
+          run(plan_moe_finalize_routing_bias_grad(a(gy), a(eidx), a(scales),
+                                                  FinalizeRoutingBiasGradAttrs{expert_num},
+                                                  a(gb)));
+        });
+  m.def("infer_moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num) -> Shapes {
+          Args a;
+          return infer_moe_finalize_routing_bias_grad(a(gy), a(eidx), a(scales),
+                                                      FinalizeRoutingBiasGradAttrs{expert_num});
         });
 
   // ---- SwiGLU ----

@@ -325,6 +325,54 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   return p;
 }
 
+FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
+    const TensorView* gy, const TensorView* eidx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& a, const TensorView* gb, bool with_outputs) {
+  Validator v("moe_finalize_routing_bias_grad", kErrInnerNullptr);
+  FinalizeRoutingBiasGradPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
+  v.present(gy, "grad_y");
+  v.present(eidx, "expert_idx");
+  if (with_outputs) v.present(gb, "grad_bias");
+  v.dtype_in(*gy, "grad_y", kFloatTypes);
+  v.index_dtype(*eidx, "expert_idx");
+  if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
+  if (with_outputs) v.same_dtype(*gb, "grad_bias", gy->dtype, "grad_y's dtype");
+  p.backend = select_backend(v, {{"grad_y", gy}, {"expert_idx", eidx}, {"scales", scales},
+                                 {"grad_bias", gb}});
+  v.contiguous(*gy, "grad_y");
+  v.contiguous(*eidx, "expert_idx");
+  optional_layout(v, scales, "scales");
+  if (with_outputs) v.contiguous(*gb, "grad_bias");
+  v.rank(*gy, "grad_y", 2);
+  const int64_t R = gy->shape[0], H = gy->shape[1];
+  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.rank(*eidx, "expert_idx", 2);
+  v.dim(*eidx, "expert_idx", 0, R, "the token count R of grad_y");
+  const int64_t K = eidx->shape[1];
+  v.check_shape(K >= 1, "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
+  if (scales) v.shape(*scales, "scales", {R, K});
+  v.check_shape(a.expert_num >= 1, "expert_num", cat("must be >= 1; got ", a.expert_num));
+  const int64_t E = a.expert_num;
+  if (with_outputs) v.shape(*gb, "grad_bias", {E, H});
+  check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, E);
+  p.grad_y = *gy;
+  p.expert_idx = *eidx;
+  if (scales) p.scales = *scales;
+  if (with_outputs) p.grad_bias = *gb;
+  p.has_scales = scales != nullptr;
+  p.R = R;
+  p.K = K;
+  p.H = H;
+  p.E = E;
+  p.device = gy->device;
+  p.device_id = gy->device_id;
+  p.bound = with_outputs;
+  p.add_output("grad_bias", {E, H}, gy->dtype);
+  return p;
+}
+
 namespace {
 const KernelTable<FinalizeRoutingPlan> kForward = {
     {finalize_routing_cpu_size, finalize_routing_cpu},
@@ -332,7 +380,38 @@ const KernelTable<FinalizeRoutingPlan> kForward = {
 const KernelTable<FinalizeRoutingGradPlan> kGrad = {
     {finalize_routing_grad_cpu_size, finalize_routing_grad_cpu},
     MOEGRAD_CUDA_ENTRY(finalize_routing_grad_cuda_size, finalize_routing_grad_cuda)};
+const KernelTable<FinalizeRoutingBiasGradPlan> kBiasGrad = {
+    {finalize_routing_bias_grad_cpu_size, finalize_routing_bias_grad_cpu},
+    MOEGRAD_CUDA_ENTRY(finalize_routing_bias_grad_cuda_size, finalize_routing_bias_grad_cuda)};
 }  // namespace
+
+ExecutorPtr plan_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                const TensorView* expert_idx,
+                                                const TensorView* scales,
+                                                const FinalizeRoutingBiasGradAttrs& attrs,
+                                                const TensorView* grad_bias) {
+  return make_executor(
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, grad_bias, true),
+      kBiasGrad);
+}
+
+ExecutorPtr prepare_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                   const TensorView* expert_idx,
+                                                   const TensorView* scales,
+                                                   const FinalizeRoutingBiasGradAttrs& attrs) {
+  return make_executor(
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, nullptr, false),
+      kBiasGrad);
+}
+
+std::vector<Shape> infer_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                        const TensorView* expert_idx,
+                                                        const TensorView* scales,
+                                                        const FinalizeRoutingBiasGradAttrs& attrs) {
+  FinalizeRoutingBiasGradPlan p =
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, nullptr, false);
+  return {{p.E, p.H}};
+}
 
 ExecutorPtr plan_moe_finalize_routing(const TensorView* expanded_x,
                                       const TensorView* expanded_row_idx, const TensorView* x1,

@@ -41,6 +41,17 @@ struct FinalizeRoutingGradPlan : PlanBase {
   std::array<TensorView*, 2> output_views() { return {&grad_expanded_x, &grad_scales}; }
 };
 
+struct FinalizeRoutingBiasGradPlan : PlanBase {
+  TensorView grad_y, expert_idx, scales, grad_bias;
+  bool has_scales = false;
+  int64_t R = 0, K = 0, H = 0, E = 0;
+  Slot ws_eidx;                    // int64 expert_idx narrowed to int32
+  Slot ws_offsets, ws_fill;        // per-expert slot lists: E + 1 offsets, E fill cursors
+  Slot ws_slots;                   // R*K slot numbers sorted by expert
+  Slot ws_acc;                     // CPU scratch, one tile row per thread
+  std::array<TensorView*, 1> output_views() { return {&grad_bias}; }
+};
+
 // k is the Python front's top-k hint, used only without outputs and only when R cannot be read
 // from another tensor (L4).
 FinalizeRoutingPlan validate_finalize_routing(const TensorView* expanded_x,
@@ -51,6 +62,9 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* expanded_x,
                                               const FinalizeRoutingAttrs& attrs,
                                               const TensorView* out, bool with_outputs,
                                               int64_t k);
+FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs, const TensorView* grad_bias, bool with_outputs);
 FinalizeRoutingGradPlan validate_finalize_routing_grad(
     const TensorView* grad_y, const TensorView* expanded_row_idx, const TensorView* expanded_x,
     const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
@@ -63,6 +77,10 @@ void finalize_routing_cpu(const FinalizeRoutingPlan& plan, const Workspace& ws, 
 void finalize_routing_grad_cpu_size(FinalizeRoutingGradPlan& plan, WorkspaceLayout& layout);
 void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan, const Workspace& ws,
                                void* stream);
+void finalize_routing_bias_grad_cpu_size(FinalizeRoutingBiasGradPlan& plan,
+                                         WorkspaceLayout& layout);
+void finalize_routing_bias_grad_cpu(const FinalizeRoutingBiasGradPlan& plan, const Workspace& ws,
+                                    void* stream);
 
 #if defined(MOEGRAD_WITH_CUDA)
 // CUDA kernels (finalize_routing_cuda.cu); `stream` is a cudaStream_t.
@@ -71,6 +89,10 @@ void finalize_routing_cuda(const FinalizeRoutingPlan& plan, const Workspace& ws,
 void finalize_routing_grad_cuda_size(FinalizeRoutingGradPlan& plan, WorkspaceLayout& layout);
 void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, const Workspace& ws,
                                 void* stream);
+void finalize_routing_bias_grad_cuda_size(FinalizeRoutingBiasGradPlan& plan,
+                                          WorkspaceLayout& layout);
+void finalize_routing_bias_grad_cuda(const FinalizeRoutingBiasGradPlan& plan,
+                                     const Workspace& ws, void* stream);
 #endif
 
 }  // namespace moegrad

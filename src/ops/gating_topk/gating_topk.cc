@@ -149,8 +149,14 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   v.check_shape(K >= 1 && K <= N, "grad_y",
                 cat("top-k K (dim 1) must satisfy 1 <= K <= N (", N, "); got ", K));
   v.agree("top-k K", {dim_claim(*grad_y, "grad_y", 1), dim_claim(*expert_idx, "expert_idx", 1)});
-  v.check_shape(a.norm_type == 1, "norm_type",
-                cat("must be 1 (sigmoid, the only supported mode); got ", a.norm_type));
+  // D22: every norm type of the forward; renorm only matters (and is checked) for softmax, the
+  // sigmoid and sqrt-softplus paths always renormalise and ignore it (L20).
+  v.check_shape(a.norm_type >= 0 && a.norm_type <= 2, "norm_type",
+                cat("must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type));
+  if (a.norm_type == 0) {
+    v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm",
+                  cat("must be 0 or 1 with norm_type 0 (softmax); got ", a.renorm));
+  }
   v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
                 cat("must be finite; got ", a.routed_scaling_factor));
   v.check_shape(std::isfinite(a.eps), "eps", cat("must be finite; got ", a.eps));
