@@ -71,7 +71,8 @@ MODELS: Dict[str, dict] = {
 }
 
 OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
-       "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward")
+       "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
+       "swiglu_group_quant", "moe_init_routing", "moe_init_routing_grad")
 BACKWARD_OPS = ("moe_gating_top_k_backward", "moe_finalize_routing_grad",
                 "swiglu_group_quant_backward")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,6 +112,18 @@ BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
         " + grad_x Tk*2F*s + grad_weight Tk*4",
         lambda Tk, F, G, s, **_: Tk * F * s + Tk * 2 * F * s + Tk * 4 + Tk * F * s + G * 8
         + Tk * 2 * F * s + Tk * 4),
+    # FP8 blocks of 128 (quant_mode 0, e4m3fn): one code byte per element, an fp32 scale per
+    # 128 elements of a row; no y_origin (L28).
+    "swiglu_group_quant": (
+        "x Tk*2F*s + weight Tk*4 + group_index G*8 + y Tk*F*1 + y_scale Tk*ceil(F/128)*4",
+        lambda Tk, F, G, s, **_: Tk * 2 * F * s + Tk * 4 + G * 8 + Tk * F
+        + Tk * ((F + 127) // 128) * 4),
+    "moe_init_routing": (
+        "x R*H*s + expert_idx R*K*4 + expanded_x R*K*H*s + expanded_row_idx R*K*4 + counts N*8",
+        lambda R, K, H, N, s, **_: R * H * s + R * K * 4 + R * K * H * s + R * K * 4 + N * 8),
+    "moe_init_routing_grad": (
+        "grad_expanded_x R*K*H*s + expanded_row_idx R*K*4 + grad_x R*H*s",
+        lambda R, K, H, s, **_: R * K * H * s + R * K * 4 + R * H * s),
 }
 
 # Peak memory of the eager formula's temporaries, in multiples of the case's bytes as if every
@@ -119,6 +132,8 @@ BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
 EAGER_TEMP_FACTOR = {
     "moe_gating_top_k": 4.0, "moe_gating_top_k_backward": 3.5, "moe_finalize_routing": 0.6,
     "moe_finalize_routing_grad": 0.8, "swiglu_group": 1.4, "swiglu_group_quant_backward": 2.3,
+    "swiglu_group_quant": 3.0,
+    "moe_init_routing": 1.6, "moe_init_routing_grad": 1.2,
 }
 
 
@@ -342,6 +357,44 @@ def build_case(op: str, model: str, dtype_name: str, tokens: int) -> Case:
             gw = torch.empty((Tk,), dtype=torch.float32)
             kw = dict(weight=w, y_origin=yo, group_index=gi, clamp_limit=clamp)
             return CaseData((gy, x), kw, (gy, x, w, yo, gi, clamp, gx, gw), (gx, gw), (gy, x), kw)
+    elif op == "swiglu_group_quant":
+        Tk = T * K
+        dims = dict(Tk=Tk, F=F, G=E, s=s)
+        desc = f"x[{Tk},{2 * F}] fp8/128" + (f" clamp={m['clamp']:g}" if m["clamp"] > 0 else "")
+        clamp = m["clamp"]
+
+        def make(g):
+            x = _randn((Tk, 2 * F), dt, g, 2.0 if clamp > 0 else 1.0)
+            w = torch.rand((Tk,), generator=g)
+            gi = _group_counts(Tk, E, g)
+            y = torch.empty((Tk, F), dtype=torch.float8_e4m3fn)
+            ys = torch.empty((Tk, (F + 127) // 128), dtype=torch.float32)
+            kw = dict(weight=w, group_index=gi, clamp_limit=clamp)
+            # The native call writes y through a uint8 view (float8 does not cross DLPack).
+            return CaseData((x,), kw, (x, w, gi, None, 36, 0, 0, False, clamp, 15.0, False,
+                                       y.view(torch.uint8), ys, None), (y, ys), (x,), kw)
+    elif op == "moe_init_routing":
+        dims = dict(R=T, K=K, H=H, N=E, s=s)
+        desc = f"x[{T},{H}] k={K} E={E}"
+
+        def make(g):
+            x = _randn((T, H), dt, g)
+            eidx = torch.rand((T, E), generator=g).topk(K, dim=1).indices.to(torch.int32)
+            ex = torch.empty((T * K, H), dtype=dt)
+            idx = torch.empty((T * K,), dtype=torch.int32)
+            cnt = torch.empty((E,), dtype=torch.int64)
+            kw = dict(expert_num=E)
+            return CaseData((x, eidx), kw, (x, eidx, 0, 0, E, 0, 1, True, False, 0, 0, 0,
+                                            ex, idx, cnt), (ex, idx, cnt), (x, eidx), kw)
+    elif op == "moe_init_routing_grad":
+        dims = dict(R=T, K=K, H=H, s=s)
+        desc = f"gex[{T * K},{H}] k={K}"
+
+        def make(g):
+            gex = _randn((T * K, H), dt, g)
+            idx = torch.randperm(T * K, generator=g).to(torch.int32)  # src->dst, row layout
+            gx = torch.empty((T, H), dtype=dt)
+            return CaseData((gex, idx, K), {}, (gex, idx, K, 0, 0, gx), (gx,), (gex, idx, K), {})
     else:
         raise ValueError(f"unknown op {op!r}")
     nbytes = BYTES[op][1](**dims)
@@ -383,6 +436,7 @@ _CHECK_TOL = {  # sanity check against the eager formula; the tests own the real
     torch.float16: dict(rtol=2e-3, atol_frac=2e-3),
     torch.bfloat16: dict(rtol=1.6e-2, atol_frac=1e-2),
     torch.int32: dict(rtol=0.0, atol_frac=0.0),
+    torch.int64: dict(rtol=0.0, atol_frac=0.0),
 }
 
 
@@ -420,12 +474,25 @@ def check_outputs(op: str, data: CaseData, got: tuple, want: tuple) -> str:
             _close("y", y, ref.gating_weights(nrm, idx, kw["renorm"], kw["norm_type"],
                                               kw["routed_scaling_factor"], kw["eps"], x.dtype)),
         ]
+    elif op == "swiglu_group_quant":
+        # Scales as fp32 values; codes compared after dequantisation (one FP8 step apart where
+        # the eager fp32 product rounds the other way).
+        y, ys = got[0], got[1]
+        y_ref, ys_ref = want[0], want[1]
+        problems = [_close("y_scale", ys, ys_ref)]
+        step = ys.float().repeat_interleave(128, dim=-1)[..., :y.shape[-1]]
+        err = (y.float() - y_ref.float()).abs() * step
+        lim = 0.13 * y_ref.float().abs() * step + 1e-30 + 2.0 ** -9 * step
+        if not bool((err <= lim).all()):
+            problems.append(f"y: {int((err > lim).sum())} codes more than one FP8 step off")
     else:
         names = {"moe_gating_top_k_backward": ("grad_x",),
                  "moe_finalize_routing": ("out",),
                  "moe_finalize_routing_grad": ("grad_expanded_x", "grad_scales"),
                  "swiglu_group": ("y",),
-                 "swiglu_group_quant_backward": ("grad_x", "grad_weight")}[op]
+                 "swiglu_group_quant_backward": ("grad_x", "grad_weight"),
+                 "moe_init_routing": ("expanded_x", "expanded_row_idx", "counts"),
+                 "moe_init_routing_grad": ("grad_x",)}[op]
         got = got if isinstance(got, tuple) else (got,)
         want = want if isinstance(want, tuple) else (want,)
         problems = [_close(n, a, b) for n, a, b in zip(names, got, want)]
@@ -819,6 +886,10 @@ def report(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:
+        from .bench_layer import main as layer_main
+        return layer_main(argv)
     args = parse_args(argv)
     if args.from_json:
         return report(args)
