@@ -43,7 +43,8 @@ constexpr int64_t kMaxElems = 1 << 14;
 
 inline size_t elem_size(aclDataType t) {
   switch (t) {
-    case ACL_INT8: case ACL_UINT8: case ACL_BOOL: return 1;
+    case ACL_INT8: case ACL_UINT8: case ACL_BOOL: case ACL_HIFLOAT8: case ACL_FLOAT8_E5M2:
+    case ACL_FLOAT8_E4M3FN: case ACL_FLOAT8_E8M0: return 1;
     case ACL_FLOAT16: case ACL_BF16: case ACL_INT16: case ACL_UINT16: return 2;
     case ACL_FLOAT: case ACL_INT32: case ACL_UINT32: return 4;
     case ACL_INT64: case ACL_UINT64: case ACL_DOUBLE: case ACL_COMPLEX64: return 8;
@@ -153,7 +154,7 @@ class Fuzz {
     if (!coin(8)) return want;
     return pick<aclDataType>({ACL_FLOAT, ACL_FLOAT16, ACL_BF16, ACL_INT32, ACL_INT64, ACL_DOUBLE,
                               ACL_INT8, ACL_UINT8, ACL_BOOL, ACL_INT16, ACL_COMPLEX64,
-                              static_cast<aclDataType>(p_.ConsumeIntegralInRange<int>(-32, 31))});
+                              static_cast<aclDataType>(p_.ConsumeIntegralInRange<int>(-64, 63))});
   }
 
   // The expected shape, or a mutation of it.

@@ -12,9 +12,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     dims.push_back(p.ConsumeBool() ? p.ConsumeIntegralInRange<int64_t>(-2, 6) : p.ConsumeIntegral<int64_t>());
     strides.push_back(p.ConsumeIntegral<int64_t>());
   }
-  // Codes inside the enum's value range (-32..31 for these enumerators); a C caller may pass any
+  // Codes inside the enum's value range (-64..63 for these enumerators); a C caller may pass any
   // int, which the library reads as bits, but C++ code cannot even hold one outside the range.
-  const auto dt = static_cast<aclDataType>(p.ConsumeIntegralInRange<int>(-32, 31));
+  const auto dt = static_cast<aclDataType>(p.ConsumeIntegralInRange<int>(-64, 63));
   const int64_t offset = p.ConsumeBool() ? 0 : p.ConsumeIntegral<int64_t>();
   const bool with_strides = p.ConsumeBool();
   const bool null_dims = p.ConsumeIntegralInRange<int>(0, 15) == 0;
