@@ -207,12 +207,24 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, int64_t begin, int64_t 
     for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
       // kChunk is a multiple of both block sizes, so blocks never straddle chunks.
       const int64_t n = std::min<int64_t>(kChunk, H - h0);
-      load_chunk(x0 + h0, a, static_cast<size_t>(n));
-      load_chunk(x1 + h0, b, static_cast<size_t>(n));
-      for (size_t i = 0; i < padded(static_cast<size_t>(n)); i += N) {
-        const VF va = clamp.gate(hn::Load(d, a + i));
-        const VF vb = clamp.up(hn::Load(d, b + i));
-        hn::Store(hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw), d, o + i);
+      auto f = [&](VF va, VF vb) {
+        va = clamp.gate(va);
+        vb = clamp.up(vb);
+        return hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw);
+      };
+      size_t i = 0;
+      if constexpr (InRegister<T>::value) {
+        // Whole vectors straight from memory; the tail goes through the widened chunk.
+        for (; i + N <= static_cast<size_t>(n); i += N) {
+          hn::Store(f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), d, o + i);
+        }
+      }
+      if (i < static_cast<size_t>(n)) {
+        load_chunk(x0 + h0 + i, a + i, static_cast<size_t>(n) - i);
+        load_chunk(x1 + h0 + i, b + i, static_cast<size_t>(n) - i);
+        for (; i < padded(static_cast<size_t>(n)); i += N) {
+          hn::Store(f(hn::Load(d, a + i), hn::Load(d, b + i)), d, o + i);
+        }
       }
       if (yo) store_chunk(o, yo + t * H + h0, static_cast<size_t>(n));
       for (int64_t j = 0; j < n; j += B) {
