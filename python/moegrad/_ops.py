@@ -360,7 +360,7 @@ swiglu_group.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 # ---------------------------------------------------------------------------------------------
-# Init routing = token permutation (docs/operators.md §8; D25-D31; L30-L36)
+# Init routing = token permutation (docs/operators.md §8; D25-D31; L30-L39)
 # ---------------------------------------------------------------------------------------------
 def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag):
     """(has_range, start, end, flag): counts need E; without E and window they are off (L33)."""
