@@ -35,25 +35,6 @@ def _execute(planned, like: Tensor) -> List[Tensor]:
     return outs
 
 
-# Transitional helpers of the ops not yet on the plan/run path (token permutation): they narrow
-# int64 indices in Python (a host read) and validate twice. Ops on the plan/run path never use
-# them.
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-def _index32(t: Optional[Tensor], op: str, name: str, code: int) -> Optional[Tensor]:
-    if t is None:
-        return None
-    if t.dtype == torch.int64:
-        if t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < _INT32_MIN or hi > _INT32_MAX:
-                bad = lo if lo < _INT32_MIN else hi
-                raise MoeError(f"{op}: {name}: int64 values must fit in int32; got {bad}", code)
-        t = t.to(torch.int32)
-    return t.contiguous()
-
-
 def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=like.device)
 
@@ -486,18 +467,12 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                      expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
                      active_expert_range: Optional[List[int]] = None,
                      row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    op = "moe_init_routing"
-    x = x.contiguous()
-    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
     attrs = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_num_type,
              flag, has_range, start, end, row_idx_type)
-    sx, si, st = _C.infer_moe_init_routing(x, eidx, *attrs)
-    ex = _empty(sx, x.dtype, x)
-    idx = _empty(si, torch.int32, x)
-    tokens = _empty(st, torch.int64, x)
-    _C.moe_init_routing(x, eidx, *attrs, ex, idx, tokens if flag else None)
+    ex, idx, tokens = _execute(_C.plan_moe_init_routing(x, eidx, *attrs), x)
     return ex, idx, tokens
 
 
@@ -505,6 +480,7 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
 def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
       expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=None,
       row_idx_type=0):
+    _same_device("moe_init_routing", ("x", x), ("expert_idx", expert_idx))
     r, h = x.shape[0], x.shape[1]
     n = r * expert_idx.shape[1]
     if drop_pad_mode == 1:
@@ -525,17 +501,15 @@ def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mod
 @torch.library.custom_op("moegrad::moe_init_routing_grad", mutates_args=())
 def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
                           drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
-    op = "moe_init_routing_grad"
-    g = grad_expanded_x.contiguous()
-    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
-    (sx,) = _C.infer_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num)
-    gx = _empty(sx, g.dtype, g)
-    _C.moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num, gx)
+    g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
+    (gx,) = _execute(_C.plan_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num), g)
     return gx
 
 
 @moe_init_routing_grad.register_fake
 def _(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0):
+    _same_device("moe_init_routing_grad", ("grad_expanded_x", grad_expanded_x),
+                 ("expanded_row_idx", expanded_row_idx))
     return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k,
                                       grad_expanded_x.shape[-1]))
 
