@@ -17,7 +17,10 @@ from ._errors import ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError
 
 # DType codes of the native plans (aclDataType values) -> torch dtypes.
 _DTYPES = {0: torch.float32, 1: torch.float16, 3: torch.int32, 9: torch.int64,
-           27: torch.bfloat16}
+           27: torch.bfloat16, 35: torch.float8_e5m2, 36: torch.float8_e4m3fn,
+           37: torch.float8_e8m0fnu}
+# float8 tensors cannot cross DLPack: they are handed to the native run as uint8 views (L26).
+_FP8 = (torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e8m0fnu)
 
 
 def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -42,27 +45,9 @@ def _execute(planned, like: Tensor) -> List[Tensor]:
     outs = [torch.empty(shape, dtype=_DTYPES[code], device=dev) for shape, code in specs]
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    _C.run(plan, [_dl(o) for o in outs], None if ws is None else _dl(ws), stream)
+    _C.run(plan, [_dl(o.view(torch.uint8) if o.dtype in _FP8 else o) for o in outs],
+           None if ws is None else _dl(ws), stream)
     return outs
-
-
-# Transitional helpers of the ops not yet on the plan/run path (token permutation): they narrow
-# int64 indices in Python (a host read) and validate twice. Ops on the plan/run path never use
-# them.
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-def _index32(t: Optional[Tensor], op: str, name: str, code: int) -> Optional[Tensor]:
-    if t is None:
-        return None
-    if t.dtype == torch.int64:
-        if t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < _INT32_MIN or hi > _INT32_MAX:
-                bad = lo if lo < _INT32_MIN else hi
-                raise MoeError(f"{op}: {name}: int64 values must fit in int32; got {bad}", code)
-        t = t.to(torch.int32)
-    return t.contiguous()
 
 
 def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
@@ -469,22 +454,17 @@ def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
     x, weight, group_index, scale = (x.contiguous(), _contig(weight), _contig(group_index),
                                      _contig(scale))
     code = _DST_CODES.get(dst_type, dst_type)
-    attrs = (code, quant_mode, block_size, round_scale, clamp_limit, dst_type_max,
-             output_origin)
-    sy, ss, so = _C.infer_swiglu_group_quant(x, weight, group_index, scale, *attrs)
-    y = _empty(sy, _FP8_DTYPES[code], x)
-    y_scale = _empty(ss, torch.float32 if quant_mode == 0 else torch.float8_e8m0fnu, x)
-    y_origin = _empty(so, x.dtype, x)
-    # float8 tensors do not cross DLPack: the kernel writes their bytes through uint8 views.
-    _C.swiglu_group_quant(x, weight, group_index, scale, *attrs, y.view(torch.uint8),
-                          y_scale if quant_mode == 0 else y_scale.view(torch.uint8),
-                          y_origin if output_origin else None)
+    y, y_scale, y_origin = _execute(_C.plan_swiglu_group_quant(
+        x, weight, group_index, scale, code, quant_mode, block_size, round_scale, clamp_limit,
+        dst_type_max, output_origin), x)
     return y, y_scale, y_origin
 
 
 @swiglu_group_quant.register_fake
 def _(x, weight=None, group_index=None, scale=None, dst_type=292, quant_mode=0, block_size=0,
       round_scale=False, clamp_limit=-1.0, dst_type_max=15.0, output_origin=False):
+    _same_device("swiglu_group_quant", ("x", x), ("weight", weight),
+                 ("group_index", group_index), ("scale", scale))
     code = _DST_CODES.get(dst_type, dst_type)
     sy, ss = _quant_shapes(x, quant_mode)
     y = x.new_empty(sy, dtype=_FP8_DTYPES.get(code, torch.uint8))
@@ -546,18 +526,12 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                      expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
                      active_expert_range: Optional[List[int]] = None,
                      row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    op = "moe_init_routing"
-    x = x.contiguous()
-    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
     attrs = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_num_type,
              flag, has_range, start, end, row_idx_type)
-    sx, si, st = _C.infer_moe_init_routing(x, eidx, *attrs)
-    ex = _empty(sx, x.dtype, x)
-    idx = _empty(si, torch.int32, x)
-    tokens = _empty(st, torch.int64, x)
-    _C.moe_init_routing(x, eidx, *attrs, ex, idx, tokens if flag else None)
+    ex, idx, tokens = _execute(_C.plan_moe_init_routing(x, eidx, *attrs), x)
     return ex, idx, tokens
 
 
@@ -565,6 +539,7 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
 def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
       expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=None,
       row_idx_type=0):
+    _same_device("moe_init_routing", ("x", x), ("expert_idx", expert_idx))
     r, h = x.shape[0], x.shape[1]
     n = r * expert_idx.shape[1]
     if drop_pad_mode == 1:
@@ -585,17 +560,15 @@ def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mod
 @_op("moegrad::moe_init_routing_grad")
 def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
                           drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
-    op = "moe_init_routing_grad"
-    g = grad_expanded_x.contiguous()
-    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
-    (sx,) = _C.infer_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num)
-    gx = _empty(sx, g.dtype, g)
-    _C.moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num, gx)
+    g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
+    (gx,) = _execute(_C.plan_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num), g)
     return gx
 
 
 @moe_init_routing_grad.register_fake
 def _(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0):
+    _same_device("moe_init_routing_grad", ("grad_expanded_x", grad_expanded_x),
+                 ("expanded_row_idx", expanded_row_idx))
     return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k,
                                       grad_expanded_x.shape[-1]))
 

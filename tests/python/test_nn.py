@@ -133,15 +133,20 @@ def test_zero_tokens_and_2d_input():
 
 def test_bf16_layer_close_to_fp32(seed):
     torch.manual_seed(seed)
-    m = MoE(32, 16, 8, 2, score="softmax")
+    m = MoE(32, 16, 8, 2, n_group=2, topk_group=1)
+    m.selection_bias.copy_(torch.randn(8) * 0.01)
     x = torch.randn(64, 32)
     y32 = m(x)
-    mb = MoE(32, 16, 8, 2, score="softmax").to(torch.bfloat16)
+    mb = MoE(32, 16, 8, 2, n_group=2, topk_group=1).to(torch.bfloat16)
+    assert mb.selection_bias.dtype == torch.float32 and mb.w_up.dtype == torch.bfloat16
     mb.load_state_dict(m.state_dict())
     yb = mb(x.bfloat16())
     assert yb.dtype == torch.bfloat16
-    rel = float((yb.float() - y32).norm() / y32.norm())
-    assert rel < 3e-2, rel
+    # bf16 logits may flip near-tied routing choices: compare the tokens routed alike.
+    same = (m.last_expert_idx.sort(-1).values == mb.last_expert_idx.sort(-1).values).all(-1)
+    assert same.float().mean() > 0.7
+    d, r = yb.float()[same] - y32[same].detach(), y32[same].detach()
+    assert float(d.norm() / r.norm()) < 3e-2
 
 
 def test_aux_loss_free_bias_update():
