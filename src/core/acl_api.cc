@@ -9,6 +9,10 @@
 
 #include "core/check.h"
 
+#if defined(MOEGRAD_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
 struct aclOpExecutor {
   moegrad::ExecutorPtr impl;
   bool repeatable = false;  // both fields are guarded by the registry mutex
@@ -74,8 +78,31 @@ DType dtype_from_acl(const aclDataType& dt) {
   }
 }
 
+// Where a tensor's memory lives. A CUDA build asks the runtime, so ported aclnn code can pass
+// device pointers: device and managed memory give a CUDA view on the owning device (managed
+// memory runs on the GPU, where the caller's stream orders it). Host memory, pinned or not, and
+// every pointer of a CPU-only build give a CPU view.
+void locate(moegrad::TensorView& v, const void* data) {
+  v.device = moegrad::Device::kCPU;
+  v.device_id = 0;
+#if defined(MOEGRAD_WITH_CUDA)
+  if (data == nullptr) return;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, data) != cudaSuccess) {
+    (void)cudaGetLastError();  // an unregistered host pointer is not an error here
+    return;
+  }
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
+    v.device = moegrad::Device::kCUDA;
+    v.device_id = attr.device;
+  }
+#else
+  (void)data;
+#endif
+}
+
 int64_t element_size(const aclDataType& dt) {
-  int32_t t;
+  int32_t t;  // the bits, not the enum (see dtype_from_acl)
   std::memcpy(&t, &dt, sizeof t);
   switch (t) {
     case ACL_INT8: case ACL_UINT8: case ACL_BOOL: case ACL_HIFLOAT8: case ACL_FLOAT8_E5M2:
@@ -182,7 +209,7 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
                       offset));
     }
     v.data = tensorData ? static_cast<char*>(tensorData) + offset * esize : nullptr;
-    v.device = moegrad::Device::kCPU;
+    moegrad::locate(v, tensorData);
     out = t.release();
   });
   return st == ACLNN_SUCCESS ? out : nullptr;

@@ -35,13 +35,20 @@ inline int64_t add_sat(int64_t a, int64_t b) {
 }
 
 // One argument's claim about a size several arguments must agree on (see Validator::agree).
+// The description ("dim 0 of [3, 4]") is only formatted when the claim is blamed.
 struct Claim {
+  enum Kind : int32_t { kDim, kRank, kHalfDim };
   const char* arg;
   int64_t value;
-  std::string where;  // e.g. "dim 0 of [3, 4]"
+  const TensorView* t;
+  int32_t dim;
+  Kind kind;
+  std::string where() const;
 };
-// The claim of dim d of t (d < 0 counts from the end).
+// The claim of dim d of t (d < 0 counts from the end); of its rank; of half of dim d.
 Claim dim_claim(const TensorView& t, const char* arg, int d);
+Claim rank_claim(const TensorView& t, const char* arg);
+Claim half_dim_claim(const TensorView& t, const char* arg, int d);
 
 // Concatenates its arguments with operator<<.
 template <typename... Args>
@@ -71,6 +78,16 @@ class Validator {
   void check_shape(bool ok, const char* arg, const std::string& rule) const {
     if (!ok) fail(shape_code_, arg, rule);
   }
+  // Lazy forms: the rule's parts are only formatted when the check fails. Validation runs on
+  // every call, and formatting each message up front cost more than the checks themselves.
+  template <typename... Parts>
+  void check(bool ok, int32_t code, const char* arg, const Parts&... rule) const {
+    if (!ok) fail(code, arg, cat(rule...));
+  }
+  template <typename... Parts>
+  void check_shape(bool ok, const char* arg, const Parts&... rule) const {
+    if (!ok) fail(shape_code_, arg, cat(rule...));
+  }
 
   // 161001 when a required tensor is null.
   void present(const TensorView* t, const char* arg) const;
@@ -89,6 +106,9 @@ class Validator {
   void rank_in(const TensorView& t, const char* arg, int lo, int hi) const;
   // Shape code unless t.shape[d] == want.
   void dim(const TensorView& t, const char* arg, int d, int64_t want, const std::string& what) const;
+  void dim(const TensorView& t, const char* arg, int d, int64_t want, const char* what) const {
+    if (t.shape[d] != want) dim(t, arg, d, want, std::string(what));
+  }
   // Shape code unless t has exactly `want` as shape.
   void shape(const TensorView& t, const char* arg, const Shape& want) const;
 
@@ -96,7 +116,7 @@ class Validator {
   // most claims agree on is taken as right (a tie goes to the earliest claim; list inputs before
   // outputs) and the first claim that differs is blamed, so the error names the argument that
   // is actually wrong rather than the one it was compared with. Returns the agreed value.
-  int64_t agree(const std::string& what, const std::vector<Claim>& claims) const;
+  int64_t agree(const char* what, const std::vector<Claim>& claims) const;
 
   int32_t shape_code() const { return shape_code_; }
   const char* op() const { return op_; }
