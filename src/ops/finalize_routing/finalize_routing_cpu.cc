@@ -212,7 +212,7 @@ void FinalizeBackward(const FinalizeRoutingGradPlan& p, const Workspace& ws) {
   // Rows of grad_expanded_x that no valid index addresses are zeroed; the others are written
   // exactly once by the scatter below (indices are unique, D6).
   unsigned char* covered = ws.get<unsigned char>(p.ws_covered);
-  std::memset(covered, 0, static_cast<size_t>(p.rows));
+  if (p.rows > 0) std::memset(covered, 0, static_cast<size_t>(p.rows));  // no workspace at 0 rows
   const int64_t n_idx = p.R * p.K;
   for (int64_t i = 0; i < n_idx; ++i) {
     if (idx[i] >= 0 && idx[i] < p.rows) covered[static_cast<size_t>(idx[i])] = 1;
