@@ -50,6 +50,20 @@ def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
+# ---- CUDA launch context (CUDA backend) ----
+def _cuda_launch_context(device: int, workspace_bytes: int):
+    """Called by the native module for CUDA calls: torch's current stream of `device` and a
+    workspace from torch's caching allocator (None when the plan needs none)."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    ws = (torch.empty(workspace_bytes, dtype=torch.uint8, device=torch.device("cuda", device))
+          if workspace_bytes else None)
+    return stream, ws
+
+
+_C._set_cuda_hook(_cuda_launch_context)
+# ---- end CUDA launch context ----
+
+
 # ---------------------------------------------------------------------------------------------
 # Gating top-k (spec §1, §2)
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,14 @@ namespace {
 
 PyObject* g_error_class = nullptr;  // moegrad.MoeError, registered at import
 
+// ---- CUDA launch context (CUDA backend) ----
+// The torch front registers hook(device, workspace_bytes) -> (stream, workspace or None): the
+// stream is torch.cuda.current_stream(device).cuda_stream and the workspace a uint8 tensor from
+// torch's caching allocator, kept alive until the launch is enqueued (the allocator reuses it
+// in stream order). Args records the CUDA device of the call's views.
+PyObject* g_cuda_hook = nullptr;
+thread_local int t_cuda_device = -1;
+
 using Opt = std::optional<nb::ndarray<>>;  // None: an absent (or null) tensor
 
 DType dtype_from_dlpack(const nb::dlpack::dtype& t) {
@@ -52,11 +60,13 @@ class Args {
     }
     v.device = a.device_type() == nb::device::cuda::value ? Device::kCUDA : Device::kCPU;
     v.device_id = a.device_id();
+    if (v.device == Device::kCUDA) t_cuda_device = v.device_id;
     views_.push_back(v);
     return &views_.back();
   }
   Args() {
     views_.reserve(16);  // pointers into views_ must stay valid
+    t_cuda_device = -1;
   }
 
  private:
@@ -64,6 +74,20 @@ class Args {
 };
 
 void run(ExecutorPtr e) {
+  if (t_cuda_device >= 0) {
+    if (g_cuda_hook == nullptr) {
+      throw Error(kErrParamInvalid, "moegrad: device: CUDA tensors need the torch front "
+                                    "(import moegrad) to provide the stream");
+    }
+    const uint64_t bytes = e->workspace_size();
+    nb::tuple ctx = nb::cast<nb::tuple>(
+        nb::handle(g_cuda_hook)(t_cuda_device, static_cast<unsigned long long>(bytes)));
+    void* stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(ctx[0]));
+    void* ws = ctx[1].is_none() ? nullptr : nb::cast<nb::ndarray<>>(ctx[1]).data();
+    nb::gil_scoped_release release;
+    e->run(ws, bytes, stream);
+    return;
+  }
   nb::gil_scoped_release release;
   run_now(*e);
 }
@@ -93,6 +117,15 @@ NB_MODULE(_C, m) {
     Py_XINCREF(cls.ptr());
     g_error_class = cls.ptr();
   });
+  m.def("_set_cuda_hook", [](nb::object hook) {
+    Py_XINCREF(hook.ptr());
+    g_cuda_hook = hook.ptr();
+  });
+#ifdef MOEGRAD_WITH_CUDA
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &get_num_threads);
 

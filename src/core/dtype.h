@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "core/dtype_scalar.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
@@ -30,7 +31,7 @@ inline float f32_from_bits(uint32_t u) {
 
 inline float to_f32(float v) { return v; }
 inline float to_f32(half_t v) { return static_cast<float>(v); }
-inline float to_f32(bf16_t v) { return f32_from_bits(static_cast<uint32_t>(v.bits) << 16); }
+inline float to_f32(bf16_t v) { return f32_from_bits(f32_bits_from_bf16_bits(v.bits)); }
 
 template <typename T>
 inline T from_f32(float v);
@@ -44,10 +45,7 @@ inline half_t from_f32<half_t>(float v) {
 }
 template <>
 inline bf16_t from_f32<bf16_t>(float v) {
-  uint32_t u = f32_bits(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<uint16_t>((u >> 16) | 0x40u)};
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return bf16_t{static_cast<uint16_t>(u >> 16)};
+  return bf16_t{bf16_bits_from_f32_bits(f32_bits(v))};  // shared with the CUDA kernels
 }
 
 template <typename T>

@@ -4,6 +4,9 @@
 #include "core/check.h"
 #include "core/executor.h"
 #include "core/host.h"
+#ifdef MOEGRAD_WITH_CUDA
+#include "core/cuda_backend.h"
+#endif
 
 namespace moegrad {
 
@@ -141,6 +144,12 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   p.rows = rows;
   p.num_bias = bias ? bias->shape[0] : 0;
   p.row_layout = mode >= 2;
+#ifdef MOEGRAD_WITH_CUDA
+  if (p.expanded_x.device == Device::kCUDA) {
+    p.strict_indices = strict_indices();
+    p.workspace_bytes = finalize_routing_cuda_workspace(p);
+  }
+#endif
   return p;
 }
 
@@ -280,16 +289,40 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   p.grad_expanded_x_shape = gex_shape;
   p.grad_scales_shape = gs_shape;
   p.grad_scales_dtype = gs_dtype;
+#ifdef MOEGRAD_WITH_CUDA
+  if (p.grad_y.device == Device::kCUDA) {
+    p.strict_indices = strict_indices();
+    p.workspace_bytes = finalize_routing_grad_cuda_workspace(p);
+  }
+#endif
   return p;
 }
 
-void run_plan(const FinalizeRoutingPlan& plan, void*, void*) {
+void run_plan(const FinalizeRoutingPlan& plan, void* workspace, void* stream) {
+#ifdef MOEGRAD_WITH_CUDA
+  if (plan.expanded_x.device == Device::kCUDA) {
+    finalize_routing_cuda(plan, workspace, stream);
+    return;
+  }
+#else
+  (void)workspace;
+  (void)stream;
+#endif
   require_cpu(plan.op, plan.expanded_x);
   advise_output(plan.out);
   finalize_routing_cpu(plan);
 }
 
-void run_plan(const FinalizeRoutingGradPlan& plan, void*, void*) {
+void run_plan(const FinalizeRoutingGradPlan& plan, void* workspace, void* stream) {
+#ifdef MOEGRAD_WITH_CUDA
+  if (plan.grad_y.device == Device::kCUDA) {
+    finalize_routing_grad_cuda(plan, workspace, stream);
+    return;
+  }
+#else
+  (void)workspace;
+  (void)stream;
+#endif
   require_cpu(plan.op, plan.grad_y);
   advise_output(plan.grad_expanded_x);
   finalize_routing_grad_cpu(plan);

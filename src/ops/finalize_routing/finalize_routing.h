@@ -18,6 +18,7 @@ struct FinalizeRoutingPlan {
   int64_t rows = 0;       // addressable expanded rows: dim0 (dropless) or E*C (drop-pad)
   int64_t num_bias = 0;   // E of bias
   bool row_layout = false;  // modes 2/3: flat = r*K + k; modes 0/1: flat = k*R + r
+  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 at planning time (CUDA, L46)
 };
 
 struct FinalizeRoutingGradPlan {
@@ -32,6 +33,7 @@ struct FinalizeRoutingGradPlan {
   int64_t num_bias = 0;
   Shape grad_expanded_x_shape, grad_scales_shape;
   DType grad_scales_dtype = DType::kFloat32;
+  bool strict_indices = false;
 };
 
 // k is the Python front's top-k hint, used only without outputs and only when R cannot be read
@@ -55,6 +57,16 @@ void run_plan(const FinalizeRoutingGradPlan& plan, void* workspace, void* stream
 
 void finalize_routing_cpu(const FinalizeRoutingPlan& plan);
 void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan);
+
+#ifdef MOEGRAD_WITH_CUDA
+// CUDA launchers (finalize_routing_cuda.cu): stage two on `stream` (a cudaStream_t) with the
+// workspace sized by the *_workspace function; no host synchronisation, no allocation.
+uint64_t finalize_routing_cuda_workspace(const FinalizeRoutingPlan& plan);
+void finalize_routing_cuda(const FinalizeRoutingPlan& plan, void* workspace, void* stream);
+uint64_t finalize_routing_grad_cuda_workspace(const FinalizeRoutingGradPlan& plan);
+void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, void* workspace,
+                                void* stream);
+#endif
 
 }  // namespace moegrad
 

@@ -6,6 +6,9 @@
 #include "core/check.h"
 #include "core/executor.h"
 #include "core/host.h"
+#ifdef MOEGRAD_WITH_CUDA
+#include "core/cuda_backend.h"
+#endif
 
 namespace moegrad {
 
@@ -96,6 +99,11 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
   p.M = M;
   p.N = N;
   p.grouped = grouped;
+#ifdef MOEGRAD_WITH_CUDA
+  if (p.x.device == Device::kCUDA) {
+    p.workspace_bytes = gating_top_k_cuda_workspace(p);
+  }
+#endif
   return p;
 }
 
@@ -153,16 +161,40 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   p.M = M;
   p.N = N;
   p.K = K;
+#ifdef MOEGRAD_WITH_CUDA
+  if (p.x_norm.device == Device::kCUDA) {
+    p.strict_indices = strict_indices();
+    p.workspace_bytes = gating_top_k_backward_cuda_workspace(p);
+  }
+#endif
   return p;
 }
 
-void run_plan(const GatingTopKPlan& plan, void*, void*) {
+void run_plan(const GatingTopKPlan& plan, void* workspace, void* stream) {
+#ifdef MOEGRAD_WITH_CUDA
+  if (plan.x.device == Device::kCUDA) {
+    gating_top_k_cuda(plan, workspace, stream);
+    return;
+  }
+#else
+  (void)workspace;
+  (void)stream;
+#endif
   require_cpu(plan.op, plan.x);
   advise_output(plan.norm_out);
   gating_top_k_cpu(plan);
 }
 
-void run_plan(const GatingTopKBackwardPlan& plan, void*, void*) {
+void run_plan(const GatingTopKBackwardPlan& plan, void* workspace, void* stream) {
+#ifdef MOEGRAD_WITH_CUDA
+  if (plan.x_norm.device == Device::kCUDA) {
+    gating_top_k_backward_cuda(plan, workspace, stream);
+    return;
+  }
+#else
+  (void)workspace;
+  (void)stream;
+#endif
   require_cpu(plan.op, plan.x_norm);
   advise_output(plan.grad_x);
   gating_top_k_backward_cpu(plan);

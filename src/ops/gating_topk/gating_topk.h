@@ -23,6 +23,7 @@ struct GatingTopKBackwardPlan {
   TensorView x_norm, grad_y, expert_idx, grad_x;
   GatingTopKBackwardAttrs attrs;
   int64_t M = 0, N = 0, K = 0;
+  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 at planning time (CUDA, L46)
 };
 
 // With with_outputs = false only inputs and attributes are checked (shape inference).
@@ -42,6 +43,16 @@ void run_plan(const GatingTopKBackwardPlan& plan, void* workspace, void* stream)
 // CPU kernels (gating_topk_cpu.cc).
 void gating_top_k_cpu(const GatingTopKPlan& plan);
 void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& plan);
+
+#ifdef MOEGRAD_WITH_CUDA
+// CUDA launchers (gating_topk_cuda.cu): stage two on `stream` (a cudaStream_t) with the
+// workspace sized by the *_workspace function; no host synchronisation, no allocation.
+uint64_t gating_top_k_cuda_workspace(const GatingTopKPlan& plan);
+void gating_top_k_cuda(const GatingTopKPlan& plan, void* workspace, void* stream);
+uint64_t gating_top_k_backward_cuda_workspace(const GatingTopKBackwardPlan& plan);
+void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, void* workspace,
+                                void* stream);
+#endif
 
 }  // namespace moegrad
 

@@ -7,6 +7,9 @@
 #include "core/check.h"
 #include "core/executor.h"
 #include "core/host.h"
+#ifdef MOEGRAD_WITH_CUDA
+#include "core/cuda_backend.h"
+#endif
 
 namespace moegrad {
 
@@ -103,6 +106,11 @@ SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
   p.has_group_index = group_index != nullptr;
   p.T = T;
   p.H = D / 2;
+#ifdef MOEGRAD_WITH_CUDA
+  if (p.x.device == Device::kCUDA) {
+    p.workspace_bytes = swiglu_cuda_workspace(p);
+  }
+#endif
   return p;
 }
 
@@ -177,16 +185,39 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   p.has_grad_weight = weight != nullptr && gw != nullptr && with_outputs;
   p.T = T;
   p.H = D / 2;
+#ifdef MOEGRAD_WITH_CUDA
+  if (p.x.device == Device::kCUDA) {
+    p.workspace_bytes = swiglu_grad_cuda_workspace(p);
+  }
+#endif
   return p;
 }
 
-void run_plan(const SwigluPlan& plan, void*, void*) {
+void run_plan(const SwigluPlan& plan, void* workspace, void* stream) {
+#ifdef MOEGRAD_WITH_CUDA
+  if (plan.x.device == Device::kCUDA) {
+    swiglu_cuda(plan, workspace, stream);
+    return;
+  }
+#else
+  (void)workspace;
+  (void)stream;
+#endif
   require_cpu(plan.op, plan.x);
   advise_output(plan.y);
   swiglu_cpu(plan);
 }
 
-void run_plan(const SwigluGradPlan& plan, void*, void*) {
+void run_plan(const SwigluGradPlan& plan, void* workspace, void* stream) {
+#ifdef MOEGRAD_WITH_CUDA
+  if (plan.x.device == Device::kCUDA) {
+    swiglu_grad_cuda(plan, workspace, stream);
+    return;
+  }
+#else
+  (void)workspace;
+  (void)stream;
+#endif
   require_cpu(plan.op, plan.x);
   advise_output(plan.grad_x);
   swiglu_grad_cpu(plan);

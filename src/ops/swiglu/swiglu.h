@@ -47,6 +47,15 @@ int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, 
 void swiglu_cpu(const SwigluPlan& plan);
 void swiglu_grad_cpu(const SwigluGradPlan& plan);
 
+#ifdef MOEGRAD_WITH_CUDA
+// CUDA launchers (swiglu_cuda.cu): stage two on `stream` (a cudaStream_t) with the
+// workspace sized by the *_workspace function; no host synchronisation, no allocation.
+uint64_t swiglu_cuda_workspace(const SwigluPlan& plan);
+void swiglu_cuda(const SwigluPlan& plan, void* workspace, void* stream);
+uint64_t swiglu_grad_cuda_workspace(const SwigluGradPlan& plan);
+void swiglu_grad_cuda(const SwigluGradPlan& plan, void* workspace, void* stream);
+#endif
+
 }  // namespace moegrad
 
 #endif  // MOEGRAD_OPS_SWIGLU_H_
