@@ -202,26 +202,45 @@ __global__ void gating_bwd_kernel(BwdParams p) {
     const float* xr = p.x_norm + r * N;
     const int32_t* er = p.idx + r * K;
     const T* gr = gy + r * K;
-    // The sums of §1.5 in k order, as the CPU (every lane computes them; broadcast loads).
+    // Slot k = k0 + lane is loaded by one lane (chunks of 32 slots); the sums of §1.5 then run
+    // over the slots in k order through shuffles, exactly the CPU's order, so the bits match.
+    auto load = [&](int k0, int32_t& e, float& w, float& g) {
+      const int k = k0 + lane;
+      e = k < K ? er[k] : -1;
+      w = (e >= 0 && e < N) ? xr[e] : 0.0f;  // invalid device indices are skipped (D6)
+      g = k < K ? p.rsf * ld(gr + k) : 0.0f;
+    };
     float sum = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = er[k];
-      sum += (e >= 0 && e < N) ? xr[e] : 0.0f;  // invalid device indices are skipped (D6)
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      int32_t e;
+      float w, g;
+      load(k0, e, w, g);
+      const int n = K - k0 < 32 ? K - k0 : 32;
+      for (int t = 0; t < n; ++t) sum += __shfl_sync(0xffffffffu, w, t);
     }
     const float denom = p.eps + sum;
     float beta = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = er[k];
-      const float w = (e >= 0 && e < N) ? xr[e] : 0.0f;
-      beta += (w / denom) * (p.rsf * ld(gr + k));
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      int32_t e;
+      float w, g;
+      load(k0, e, w, g);
+      const int n = K - k0 < 32 ? K - k0 : 32;
+      for (int t = 0; t < n; ++t) {
+        beta += (__shfl_sync(0xffffffffu, w, t) / denom) * __shfl_sync(0xffffffffu, g, t);
+      }
     }
     __syncwarp();
-    if (lane == 0) {
-      for (int k = 0; k < K; ++k) {
-        const int32_t e = er[k];
-        if (e >= 0 && e < N) {
-          sg[e] += (p.rsf * ld(gr + k) - beta) / denom;  // repeats are summed (D1)
-          sx[e] = xr[e];
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      int32_t e;
+      float w, g;
+      load(k0, e, w, g);
+      const int n = K - k0 < 32 ? K - k0 : 32;
+      for (int t = 0; t < n; ++t) {
+        const int32_t et = __shfl_sync(0xffffffffu, e, t);
+        const float wt = __shfl_sync(0xffffffffu, w, t), gt = __shfl_sync(0xffffffffu, g, t);
+        if (lane == 0 && et >= 0 && et < N) {
+          sg[et] += (gt - beta) / denom;  // repeats are summed in k order (D1)
+          sx[et] = wt;
         }
       }
     }
