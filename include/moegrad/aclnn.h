@@ -18,10 +18,15 @@
  * Executors hold the tensors' data pointers, not the aclTensor handles: handles may be
  * destroyed after stage one; the memory they describe must live until stage two returns.
  *
- * Status codes (spec/decisions.md D18): 161001 null required tensor, 161002 dtype / format /
+ * Status codes (docs/decisions.md D18): 161001 null required tensor, 161002 dtype / format /
  * value invalid, 561002 gating-forward and SwiGLU shape or attribute error, 561103 finalize
  * routing shape or value error, 561000 internal error (e.g. out of memory).
  * Tensors must be contiguous (D19). All calls are thread-safe; the error message is per thread.
+ * An executor shared across threads gives a status, never undefined behaviour: a one-shot
+ * executor runs (or is destroyed) exactly once, and a second stage-two run of a repeatable
+ * executor, or its destruction, while another thread is running it returns
+ * ACLNN_ERR_PARAM_INVALID (docs/decisions.md L54). A destroyed executor's address may be reused
+ * by a later one, so a stale handle is only detected until then.
  */
 #ifndef MOEGRAD_ACLNN_H_
 #define MOEGRAD_ACLNN_H_
@@ -108,7 +113,7 @@ MOEGRAD_C_API void moegradSetNumThreads(int n);
 MOEGRAD_C_API int moegradGetNumThreads(void);
 MOEGRAD_C_API const char* moegradVersion(void);
 
-/* ---- MoeGatingTopK (spec §2). x [M,N] fp32/fp16/bf16, biasOptional [N] (selection only),
+/* ---- MoeGatingTopK (§2). x [M,N] fp32/fp16/bf16, biasOptional [N] (selection only),
  * yOut [M,k] x dtype, expertIdxOut [M,k] int32, outOut [M,N] fp32 (zeros unless outFlag). */
 MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKGetWorkspaceSize(
     const aclTensor* x, const aclTensor* biasOptional, int64_t k, int64_t kGroup,
@@ -118,8 +123,10 @@ MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKGetWorkspaceSize(
 MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopK(void* workspace, uint64_t workspaceSize,
                                              aclOpExecutor* executor, aclrtStream stream);
 
-/* ---- MoeGatingTopKBackward (spec §1). xNorm [M,N] fp32, gradY [M,K] fp32/fp16/bf16,
- * expertIdx [M,K] int32, normType must be 1, out [M,N] gradY dtype. Errors: 161001 / 161002. */
+/* ---- MoeGatingTopKBackward (§1). xNorm [M,N] fp32, gradY [M,K] fp32/fp16/bf16,
+ * expertIdx [M,K] int32, out [M,N] gradY dtype. normType 1 (sigmoid), and beyond the vendor
+ * 0 (softmax, renorm 0 or 1; xNorm = softmax output) and 2 (sqrt-softplus, always renormalised;
+ * xNorm = sqrt(softplus(x))). Errors: 161001 / 161002. */
 MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
     const aclTensor* xNorm, const aclTensor* gradY, const aclTensor* expertIdx, int64_t renorm,
     int64_t normType, double routedScalingFactor, double eps, const aclTensor* out,
@@ -127,7 +134,7 @@ MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
 MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackward(void* workspace, uint64_t workspaceSize,
                                                      aclOpExecutor* executor, aclrtStream stream);
 
-/* ---- MoeFinalizeRoutingV2 (spec §4). expandedX (R*K,H) modes 0/2 or (E,C,H) modes 1/3,
+/* ---- MoeFinalizeRoutingV2 (§4). expandedX (R*K,H) modes 0/2 or (E,C,H) modes 1/3,
  * expandedRowIdx (R*K) int32, x1/x2 (R,H), bias (E,H), scales (R,K), expertIdx (R,K) int32,
  * out (R,H). dropPadMode 0/1 column layout (k*R + r), 2/3 row layout (r*K + k). */
 MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2GetWorkspaceSize(
@@ -138,7 +145,7 @@ MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2GetWorkspaceSize(
 MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2(void* workspace, uint64_t workspaceSize,
                                                     aclOpExecutor* executor, aclrtStream stream);
 
-/* ---- MoeFinalizeRoutingV2Grad (spec §3). Row layout (r*K + k). gradExpandedXOut (rows,H) in
+/* ---- MoeFinalizeRoutingV2Grad (§3). Row layout (r*K + k). gradExpandedXOut (rows,H) in
  * mode 0 (rows = activeNum if 0 < activeNum < R*K else R*K) or (E,C,H) in mode 1;
  * gradScalesOut (R,K) scales dtype, or (R,1) gradY dtype and zeros without scales. */
 MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2GradGetWorkspaceSize(
@@ -151,7 +158,21 @@ MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingV2Grad(void* workspace, uint64_
                                                         aclOpExecutor* executor,
                                                         aclrtStream stream);
 
-/* ---- SwigluGroupQuantGrad (spec §5). gradY [...,H], x [...,2H] (fp32/fp16/bf16, same dtype),
+/* ---- MoeFinalizeRoutingBiasGrad (moegrad extension, docs/decisions.md L22): the gradient of
+ * MoeFinalizeRoutingV2's biasOptional. gradBiasOut[e,:] = sum over slots (r,k) with
+ * expertIdx[r,k] = e of scales[r,k] * gradY[r,:] (scale 1 without scales), dropped slots
+ * included. gradY (R,H) fp32/fp16/bf16, expertIdx (R,K) int32 in [0, expertNum), scalesOptional
+ * (R,K), gradBiasOut (expertNum,H) gradY dtype. Deterministic (fixed order, no atomics); needs
+ * a workspace (its size is returned by stage one). Shape/value errors: 561103. */
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* expertIdx, const aclTensor* scalesOptional,
+    int64_t expertNum, const aclTensor* gradBiasOut, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeFinalizeRoutingBiasGrad(void* workspace, uint64_t workspaceSize,
+                                                          aclOpExecutor* executor,
+                                                          aclrtStream stream);
+
+/* ---- SwigluGroupQuantGrad (§5). gradY [...,H], x [...,2H] (fp32/fp16/bf16, same dtype),
  * weightOptional fp32 numel T (requires yOriginOptional, the UNWEIGHTED activation), groupIndex
  * [G] int64, clampLimit -1 or > 0, gradXOut like x, gradWeightOutOptional like weight (NULL:
  * not computed). */

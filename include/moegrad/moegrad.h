@@ -1,10 +1,10 @@
 // moegrad C++ API: fused Mixture-of-Experts training operators, forward and backward.
 //
-// Every operator has two stages, like aclnn (spec/operators.md §0.2):
+// Every operator has two stages, like aclnn (docs/operators.md §0.2):
 //   plan_<op>(...)   validates every argument, infers shapes and returns an Executor;
 //   Executor::run()  only computes. Nothing is written to any output when planning fails.
 // Tensors are non-owning views (TensorView); optional tensors are passed as nullptr.
-// Errors are thrown as moegrad::Error carrying a status code (spec/decisions.md D18):
+// Errors are thrown as moegrad::Error carrying a status code (docs/decisions.md D18):
 //   161001 a required tensor is null, 161002 dtype/format/value invalid,
 //   561002 gating-forward / SwiGLU shape or attribute error, 561103 finalize-routing shape/value.
 // The C API (aclnn.h) and the Python module are thin layers over these functions.
@@ -26,7 +26,7 @@
 
 namespace moegrad {
 
-// Status codes (spec/operators.md §0.3, decisions.md D18).
+// Status codes (docs/operators.md §0.3, decisions.md D18).
 enum Status : int32_t {
   kSuccess = 0,
   kErrNullptr = 161001,       // ACLNN_ERR_PARAM_NULLPTR
@@ -91,7 +91,7 @@ class MOEGRAD_API Executor {
 using ExecutorPtr = std::unique_ptr<Executor>;
 using Shape = std::vector<int64_t>;
 
-// ---- Gating top-k (spec §2; decisions D2, D12, D13; docs/decisions.md L1-L3) ----
+// ---- Gating top-k (§2; decisions D2, D12, D13; docs/decisions.md L1-L3) ----
 struct GatingTopKAttrs {
   int64_t k = 1;                  // experts per token, 1 <= k <= N
   int64_t k_group = 1;            // groups kept, 1 <= k_group <= group_count
@@ -113,15 +113,16 @@ MOEGRAD_API ExecutorPtr plan_moe_gating_top_k(const TensorView* x, const TensorV
 MOEGRAD_API std::vector<Shape> infer_moe_gating_top_k(const TensorView* x, const TensorView* bias,
                                                       const GatingTopKAttrs& attrs);
 
-// ---- Gating top-k backward (spec §1; D1, D2, D3, D15) ----
+// ---- Gating top-k backward (§1; D1, D2, D3, D15, D22; L20) ----
 struct GatingTopKBackwardAttrs {
-  int64_t renorm = 0;     // reserved, ignored
-  int64_t norm_type = 1;  // must be 1 (sigmoid)
+  int64_t renorm = 0;     // softmax only: 0 or 1 as in the forward; ignored for norm_type 1/2
+  int64_t norm_type = 1;  // 0 softmax, 1 sigmoid (default), 2 sqrt(softplus)
   double routed_scaling_factor = 1.0;
   double eps = 1e-20;
 };
-// x_norm [M,N] fp32 (2 <= N <= 2048); grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K] int32 in
-// [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
+// x_norm [M,N] fp32 (2 <= N <= 2048), the forward's norm_out: softmax, sigmoid or
+// sqrt(softplus) of the logits per norm_type; grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K]
+// int32 in [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
 MOEGRAD_API ExecutorPtr plan_moe_gating_top_k_backward(const TensorView* x_norm,
                                                        const TensorView* grad_y,
                                                        const TensorView* expert_idx,
@@ -131,7 +132,7 @@ MOEGRAD_API std::vector<Shape> infer_moe_gating_top_k_backward(
     const TensorView* x_norm, const TensorView* grad_y, const TensorView* expert_idx,
     const GatingTopKBackwardAttrs& attrs);
 
-// ---- Finalize routing V2 forward (spec §4; D6, D7, D8; L4, L5) ----
+// ---- Finalize routing V2 forward (§4; D6, D7, D8; L4, L5) ----
 struct FinalizeRoutingAttrs {
   int64_t drop_pad_mode = 0;  // 0/2 dropless, 1/3 drop-pad; 0/1 column layout, 2/3 row layout
 };
@@ -147,7 +148,7 @@ MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing(
     const TensorView* x2, const TensorView* bias, const TensorView* scales,
     const TensorView* expert_idx, const FinalizeRoutingAttrs& attrs, int64_t k);
 
-// ---- Finalize routing V2 grad (spec §3; D4, D5, D6, D7; L6) ----
+// ---- Finalize routing V2 grad (§3; D4, D5, D6, D7; L6) ----
 struct FinalizeRoutingGradAttrs {
   int64_t drop_pad_mode = 0;  // 0 dropless, 1 drop-pad (row layout r*K + k)
   int64_t active_num = 0;     // mode 0: 0 < active_num < R*K truncates the expanded rows
@@ -167,7 +168,23 @@ MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_grad(
     const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
     const FinalizeRoutingGradAttrs& attrs);
 
-// ---- SwiGLU forward with weight / clamp / group_index (spec §5.5, §6.4; D9, D11; L8, L9) ----
+// ---- Finalize routing bias gradient (moegrad extension, D23; L22) ----
+// grad_bias[e, :] = sum over slots (r, k) with expert_idx[r, k] = e of scales[r, k] * grad_y[r, :]
+// (scale 1 without scales), dropped slots included (they carry the bias term, D7). fp32 sums in
+// slot order r*K + k, narrowed once; deterministic for any thread count (no atomics).
+struct FinalizeRoutingBiasGradAttrs {
+  int64_t expert_num = 0;  // E >= 1 (rows of bias)
+};
+// grad_y (R,H) fp32/fp16/bf16; expert_idx (R,K) int32 in [0,E) (required); scales (R,K)
+// fp32/fp16/bf16 or null; grad_bias (E,H) grad_y.dtype. Shape/value errors: 561103.
+MOEGRAD_API ExecutorPtr plan_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs, const TensorView* grad_bias);
+MOEGRAD_API std::vector<Shape> infer_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs);
+
+// ---- SwiGLU forward with weight / clamp / group_index (§5.5, §6.4; D9, D11; L8, L9) ----
 struct SwigluAttrs {
   double clamp_limit = -1.0;  // -1 (off) or > 0
 };
@@ -180,7 +197,7 @@ MOEGRAD_API std::vector<Shape> infer_swiglu_group(const TensorView* x, const Ten
                                                   const TensorView* group_index,
                                                   const SwigluAttrs& attrs);
 
-// ---- SwiGLU backward = SwigluGroupQuantGrad (spec §5; D9, D10, D11; L7, L8) ----
+// ---- SwiGLU backward = SwigluGroupQuantGrad (§5; D9, D10, D11; L7, L8) ----
 // grad_y [...,H]; x [...,2H]; weight fp32 numel T (needs y_origin); y_origin like grad_y (the
 // UNWEIGHTED activation, D10); group_index [G] int64; grad_x like x; grad_weight like weight
 // (fp32) or null to skip it.

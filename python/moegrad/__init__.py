@@ -3,8 +3,8 @@
 Every function takes and returns torch.Tensors, is a ``torch.library`` custom op in the
 namespace ``moegrad`` (``torch.ops.moegrad.<name>``, with a fake kernel for torch.compile), and
 raises :class:`MoeError` (``.code`` = aclnn status) on invalid input. The three forwards are
-differentiable through the three backward operators. Contract: spec/api.md; semantics:
-spec/operators.md and spec/decisions.md; moegrad's own decisions: docs/decisions.md.
+differentiable through the three backward operators. Signatures: docs/operators.md §7.2;
+semantics, shapes, dtypes and status codes: docs/operators.md; decisions: docs/decisions.md.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
                      norm_type: int = 0, out_flag: bool = False,
                      routed_scaling_factor: float = 1.0,
                      eps: float = 1e-20) -> Tuple[Tensor, Tensor, Tensor]:
-    """Router: normalise logits, pick the top-k experts per token (spec §2, D13, L1-L3).
+    """Router: normalise logits, pick the top-k experts per token (§2, D13, L1-L3).
 
     x: [M, N] float32/float16/bfloat16 logits, 1 <= N <= 2048. bias: [N] x.dtype, added to the
     scores for selection only. norm_type 0 softmax, 1 sigmoid, 2 sqrt(softplus). With
@@ -49,7 +49,8 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
     renorm=1, then multiplied by routed_scaling_factor.
 
     Returns (y [M, k] x.dtype, expert_idx [M, k] int32, norm_out [M, N] float32 — the scores
-    without bias when out_flag, zeros otherwise). Differentiable w.r.t. x for norm_type=1.
+    without bias when out_flag, zeros otherwise). Differentiable w.r.t. x for every norm_type
+    (a gradient reaching norm_out is included).
     Errors: MoeError 161001/161002 (null, dtype), 561002 (shapes, attributes).
     """
     return torch.ops.moegrad.moe_gating_top_k(x, k, bias, k_group, group_count,
@@ -60,11 +61,13 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
 def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
                               renorm: int = 0, norm_type: int = 1,
                               routed_scaling_factor: float = 1.0, eps: float = 1e-20) -> Tensor:
-    """Gradient of the sigmoid gating top-k w.r.t. the logits (spec §1, D1-D3, D15).
+    """Gradient of the gating top-k w.r.t. the logits (docs/operators.md §1, D1-D3, D15, D22).
 
-    x_norm: [M, N] float32 sigmoid scores (2 <= N <= 2048); grad_y: [M, K] float32/float16/
-    bfloat16; expert_idx: [M, K] int32 (int64 accepted) in [0, N), repeats summed. norm_type
-    must be 1. Returns grad_x [M, N] in grad_y's dtype. Errors: MoeError 161002 for every rule.
+    x_norm: [M, N] float32, the forward's normalised scores (norm_out): sigmoid (norm_type 1,
+    the default), softmax (norm_type 0, with renorm 0 or 1 as in the forward) or
+    sqrt(softplus) (norm_type 2, always renormalised); 2 <= N <= 2048. grad_y: [M, K] float32/
+    float16/bfloat16; expert_idx: [M, K] int32 (int64 accepted) in [0, N), repeats summed.
+    Returns grad_x [M, N] in grad_y's dtype. Errors: MoeError 161002 for every rule.
     """
     return torch.ops.moegrad.moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm,
                                                        norm_type, routed_scaling_factor, eps)
@@ -75,14 +78,15 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
                          bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
                          expert_idx: Optional[Tensor] = None, drop_pad_mode: int = 0,
                          k: int = 1) -> Tensor:
-    """Unpermute and combine expert outputs per token (MoeFinalizeRoutingV2, spec §4, D6-D8).
+    """Unpermute and combine expert outputs per token (MoeFinalizeRoutingV2, §4, D6-D8).
 
     out[r] = x1[r] + x2[r] + sum_k scales[r,k] * (expanded_x[idx(r,k)] + bias[expert_idx[r,k]])
     with idx(r,k) = expanded_row_idx[k*R + r] (drop_pad_mode 0/1, column layout) or
     [r*K + k] (2/3, row layout). Modes 0/2: expanded_x (R*K, H); modes 1/3: (E, C, H) and
     index -1 marks a dropped slot (it keeps its scale * bias term). Missing scales count as 1.
     R = scales/expert_idx/x1 rows, else len(expanded_row_idx) // k. Returns (R, H) in
-    expanded_x's dtype. Differentiable w.r.t. expanded_x and scales for modes 0/1 (§7.3).
+    expanded_x's dtype. Differentiable in every mode w.r.t. expanded_x, scales, x1, x2 (their
+    gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
     Errors: MoeError 161001/161002, 561103 (shapes, index values).
     """
     return torch.ops.moegrad.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
@@ -95,7 +99,7 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
                               expert_idx: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                               drop_pad_mode: int = 0, active_num: int = 0, expert_num: int = 0,
                               expert_capacity: int = 0) -> Tuple[Tensor, Tensor]:
-    """Gradients of finalize routing w.r.t. expanded_x and scales (V2Grad, spec §3, D4-D7).
+    """Gradients of finalize routing w.r.t. expanded_x and scales (V2Grad, §3, D4-D7).
 
     grad_y: (R, H); expanded_row_idx: (R*K,) int32 in ROW layout (r*K + k). Mode 0 (dropless):
     grad_expanded_x (rows, H), rows = active_num if 0 < active_num < R*K else R*K; indices
@@ -111,7 +115,7 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
 
 def swiglu_group(x: Tensor, weight: Optional[Tensor] = None, group_index: Optional[Tensor] = None,
                  clamp_limit: float = -1.0) -> Tensor:
-    """SwiGLU with per-token weight, clamp and MoE group truncation (spec §6.4, D9, D11, L8).
+    """SwiGLU with per-token weight, clamp and MoE group truncation (§6.4, D9, D11, L8).
 
     x: [..., 2H] float32/float16/bfloat16, split into gate x0 and up x1. With clamp_limit c > 0:
     x0 <- min(x0, c), x1 <- clamp(x1, -c, c). y = silu(x0) * x1 * weight[t] for token rows
@@ -126,7 +130,7 @@ def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tens
                                 y_origin: Optional[Tensor] = None,
                                 group_index: Optional[Tensor] = None,
                                 clamp_limit: float = -1.0) -> Tuple[Tensor, Tensor]:
-    """Gradients of swiglu_group (SwigluGroupQuantGrad, spec §5, D10, D11).
+    """Gradients of swiglu_group (SwigluGroupQuantGrad, §5, D10, D11).
 
     grad_y: [..., H]; x: [..., 2H] (same dtype); weight: float32, T elements (needs y_origin,
     the UNWEIGHTED activation silu(x0')*x1'); group_index: [G] int64. Returns (grad_x like x,

@@ -1,6 +1,6 @@
 """The exception type of moegrad."""
 
-# Status codes (spec/decisions.md D18).
+# Status codes (docs/decisions.md D18).
 SUCCESS = 0
 ERR_PARAM_NULLPTR = 161001
 ERR_PARAM_INVALID = 161002

@@ -1,11 +1,10 @@
 """torch.library registration of the moegrad operators: custom ops, fake kernels, autograd.
 
 Each op validates through the C++ library (one place per operator), allocates its outputs with
-torch on the input's device and runs the native kernel. Spec: ../shared/spec/api.md, §7.
+torch on the input's device and runs the native kernel. Contract: docs/operators.md §7.
 """
 from __future__ import annotations
 
-import warnings
 from typing import List, Optional, Tuple
 
 import torch
@@ -65,7 +64,7 @@ _C._set_cuda_hook(_cuda_launch_context)
 
 
 # ---------------------------------------------------------------------------------------------
-# Gating top-k (spec §1, §2)
+# Gating top-k (§1, §2)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::moe_gating_top_k", mutates_args=())
 def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: int = 1,
@@ -119,21 +118,37 @@ def _gating_setup(ctx, inputs, output):
     ctx.attrs = (renorm, norm_type, out_flag, rsf, eps)
 
 
+def _normalise(x: Tensor, norm_type: int) -> Tensor:
+    """The forward's normalised scores in fp32 (norm_out without bias), §2.4 step 1."""
+    x = x.float()
+    if norm_type == 0:
+        return torch.softmax(x, dim=-1)
+    if norm_type == 1:
+        return torch.sigmoid(x)
+    return torch.sqrt(torch.nn.functional.softplus(x))
+
+
+def _normalise_backward(grad: Tensor, s: Tensor, norm_type: int) -> Tensor:
+    """Vector-Jacobian product of the normalisation at scores s (fp32), for the norm_out path."""
+    if norm_type == 0:
+        return s * (grad - (s * grad).sum(dim=-1, keepdim=True))
+    if norm_type == 1:
+        return grad * s * (1.0 - s)
+    dn = torch.where(s > 0, -torch.expm1(-s * s) / (2.0 * s), torch.zeros_like(s))
+    return grad * dn
+
+
 def _gating_backward(ctx, grad_y, _grad_idx, grad_norm):
+    # Every norm type (D22, L21): the native backward takes the forward's normalised scores.
     renorm, norm_type, out_flag, rsf, eps = ctx.attrs
-    if norm_type != 1:
-        raise NotImplementedError(
-            "moegrad.moe_gating_top_k: the backward supports norm_type=1 (sigmoid) only, like "
-            f"CANN's MoeGatingTopKBackward; got norm_type={norm_type} (softmax / sqrt-softplus "
-            "gradients are tracked separately, decisions.md D21)")
     x, idx, norm = ctx.saved_tensors
-    x_norm = norm if out_flag else torch.sigmoid(x.float())
+    x_norm = norm if out_flag else _normalise(x, norm_type)
     # With a norm_out gradient both terms are summed in fp32 and rounded once (D12).
     two_terms = out_flag and grad_norm is not None
     grad_x = moe_gating_top_k_backward(x_norm, grad_y.float() if two_terms else grad_y, idx,
-                                       renorm, 1, rsf, eps)
+                                       renorm, norm_type, rsf, eps)
     if two_terms:
-        grad_x = (grad_x + grad_norm.float() * x_norm * (1.0 - x_norm)).to(x.dtype)
+        grad_x = (grad_x + _normalise_backward(grad_norm.float(), x_norm, norm_type)).to(x.dtype)
     return (grad_x,) + (None,) * 10
 
 
@@ -141,7 +156,7 @@ moe_gating_top_k.register_autograd(_gating_backward, setup_context=_gating_setup
 
 
 # ---------------------------------------------------------------------------------------------
-# Finalize routing (spec §3, §4, §7.3)
+# Finalize routing (§3, §4, §7.3)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::moe_finalize_routing", mutates_args=())
 def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
@@ -232,46 +247,74 @@ def _finalize_setup(ctx, inputs, output):
                           bias if ctx.has_bias else None, expert_idx)
 
 
+@torch.library.custom_op("moegrad::moe_finalize_routing_bias_grad", mutates_args=())
+def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
+                                   scales: Optional[Tensor], expert_num: int) -> Tensor:
+    """Gradient of finalize routing's bias (D23, L22): per expert, the sum of scale * grad_y
+    over the slots using it, dropped slots included. Internal op of the autograd."""
+    op = "moe_finalize_routing_bias_grad"
+    if grad_y.is_cuda:
+        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
+        # not capturable in a CUDA graph; docs/cuda.md) ----
+        to_cpu = (lambda t: None if t is None else t.cpu())  # noqa: E731
+        return moe_finalize_routing_bias_grad(grad_y.cpu(), to_cpu(expert_idx), to_cpu(scales),
+                                              expert_num).to(grad_y.device)
+    grad_y, scales = grad_y.contiguous(), _contig(scales)
+    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    (sb,) = _C.infer_moe_finalize_routing_bias_grad(grad_y, eidx, scales, expert_num)
+    grad_bias = _empty(sb, grad_y.dtype, grad_y)
+    _C.moe_finalize_routing_bias_grad(grad_y, eidx, scales, expert_num, grad_bias)
+    return grad_bias
+
+
+@moe_finalize_routing_bias_grad.register_fake
+def _(grad_y, expert_idx, scales, expert_num):
+    return grad_y.new_empty((expert_num, grad_y.shape[1]))
+
+
 def _finalize_backward(ctx, grad_out):
-    if ctx.mode not in (0, 1):
-        raise NotImplementedError(
-            "moegrad.moe_finalize_routing: backward supports drop_pad_mode 0 and 1 (column "
-            f"layout) like CANN's autograd (spec §7.3); got drop_pad_mode={ctx.mode}")
+    # Every differentiable input gets its gradient (D23): x1 and x2 receive grad_y, bias the
+    # per-expert sum, expanded_x and scales the V2Grad op's outputs; modes 2/3 too.
     needs = _needs(ctx, 9)
-    if needs[2] or needs[3] or needs[4]:
-        warnings.warn("moegrad.moe_finalize_routing: gradients of x1, x2 and bias are not "
-                      "computed (returned as None, spec §7.3); add residuals outside the op",
-                      stacklevel=2)
-    nones = [None] * 9
-    want_x, want_s = needs[0], ctx.has_scales and needs[5]
-    if not (want_x or want_s):
-        return tuple(nones)
+    grads = [None] * 9
     expanded_x, idx, scales, bias, expert_idx = ctx.saved_tensors
     grad_out = grad_out.contiguous()
+    if needs[2]:
+        grads[2] = grad_out
+    if needs[3]:
+        grads[3] = grad_out
+    if needs[4] and ctx.has_bias:
+        grads[4] = moe_finalize_routing_bias_grad(grad_out, expert_idx, scales,
+                                                  bias.shape[0]).to(bias.dtype)
+    want_x, want_s = needs[0], ctx.has_scales and needs[5]
+    if not (want_x or want_s):
+        return tuple(grads)
     rows = grad_out.shape[0]
     top_k = scales.shape[1] if ctx.has_scales else ctx.k
-    # Column layout (k*R + r) of the forward to the row layout (r*K + k) of the grad op.
-    if top_k > 1:
+    # Column layout (k*R + r) of modes 0/1 to the row layout (r*K + k) of the grad op; modes
+    # 2/3 are already in row layout.
+    if top_k > 1 and ctx.mode in (0, 1):
         idx = idx.reshape(top_k, rows).t().contiguous().reshape(-1)
     if not ctx.has_scales and top_k > 1:
         scales = torch.ones((rows, top_k), dtype=grad_out.dtype, device=grad_out.device)
-    if ctx.mode == 1:
+    grad_mode = ctx.mode % 2  # 0/2 dropless, 1/3 drop-pad
+    if grad_mode == 1:
         active_num, expert_num, capacity = 0, expanded_x.shape[0], expanded_x.shape[1]
     else:
         active_num, expert_num, capacity = expanded_x.shape[0], 0, 0
     gex, gs = moe_finalize_routing_grad(grad_out, idx, expanded_x, scales, expert_idx,
-                                        bias if scales is not None else None, ctx.mode,
+                                        bias if scales is not None else None, grad_mode,
                                         active_num, expert_num, capacity)
-    nones[0] = gex if want_x else None
-    nones[5] = gs if want_s else None
-    return tuple(nones)
+    grads[0] = gex if want_x else None
+    grads[5] = gs if want_s else None
+    return tuple(grads)
 
 
 moe_finalize_routing.register_autograd(_finalize_backward, setup_context=_finalize_setup)
 
 
 # ---------------------------------------------------------------------------------------------
-# SwiGLU (spec §5, §6.4)
+# SwiGLU (§5, §6.4)
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("moegrad::swiglu_group", mutates_args=())
 def swiglu_group(x: Tensor, weight: Optional[Tensor] = None,

@@ -2,7 +2,7 @@
 
 These are what a careful PyTorch user would write for the same semantics, vectorised over tokens
 (the only Python loops run over the top-k slots K <= 8, never over tokens). They follow the
-numerics of the library (spec/operators.md §0.4, decisions.md D12): fp16/bf16 inputs are widened
+numerics of the library (docs/operators.md §0.4, decisions.md D12): fp16/bf16 inputs are widened
 to fp32, all arithmetic is fp32, and each output is narrowed once at the end.
 
 They serve the benchmark (``python -m moegrad.bench``): timing baselines and a cheap sanity
@@ -10,7 +10,7 @@ check of moegrad's outputs. They are NOT the test oracle -- the tests compare th
 the independent float64 reference in tests/python/reference.py. Tie order in the gating top-k
 follows ``torch.topk`` (not guaranteed stable), so exact index comparison needs tie-free data.
 
-Signatures mirror the public moegrad functions (spec/api.md); every function is free of
+Signatures mirror the public moegrad functions (docs/operators.md §7.2); every function is free of
 host synchronisation (no ``.item()``) so that torch.compile can trace it as one graph.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Gating top-k (spec §2, D13, L1) and its backward (spec §1, D1)
+# Gating top-k (§2, D13, L1) and its backward (§1, D1)
 # ---------------------------------------------------------------------------------------------
 def _normalise(xf: Tensor, norm_type: int) -> Tensor:
     if norm_type == 0:
@@ -87,7 +87,7 @@ def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# Finalize routing V2 forward (spec §4, D7, D8, L4, L5) and grad (spec §3, D5, D6, D7)
+# Finalize routing V2 forward (§4, D7, D8, L4, L5) and grad (§3, D5, D6, D7)
 # ---------------------------------------------------------------------------------------------
 def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
                          x1: Optional[Tensor] = None, x2: Optional[Tensor] = None,
@@ -172,7 +172,7 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
 
 
 # ---------------------------------------------------------------------------------------------
-# SwiGLU forward (spec §6.4, D9, D11, L8) and backward (spec §5.5, D10)
+# SwiGLU forward (§6.4, D9, D11, L8) and backward (§5.5, D10)
 # ---------------------------------------------------------------------------------------------
 def _row_mask(x: Tensor, group_index: Optional[Tensor]) -> Optional[Tensor]:
     """[T] bool: rows below trunc = clamp(sum(group_index), 0, T); None = every row."""

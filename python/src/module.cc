@@ -38,6 +38,14 @@ DType dtype_from_dlpack(const nb::dlpack::dtype& t) {
   if (code == C::Bfloat && t.bits == 16) return DType::kBFloat16;
   if (code == C::Int && t.bits == 32) return DType::kInt32;
   if (code == C::Int && t.bits == 64) return DType::kInt64;
+  // Dtypes no operator takes keep their aclDataType code, so errors name them.
+  if (code == C::Float && t.bits == 64) return static_cast<DType>(11);
+  if (code == C::Int && t.bits == 8) return static_cast<DType>(2);
+  if (code == C::UInt && t.bits == 8) return static_cast<DType>(4);
+  if (code == C::Int && t.bits == 16) return static_cast<DType>(6);
+  if (code == C::Bool) return static_cast<DType>(12);
+  if (code == C::Complex && t.bits == 64) return static_cast<DType>(16);
+  if (code == C::Complex && t.bits == 128) return static_cast<DType>(17);
   return DType::kOther;
 }
 
@@ -196,6 +204,22 @@ NB_MODULE(_C, m) {
           FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity};
           return infer_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales), a(eidx),
                                                  a(bias), at);
+        });
+
+  // ---- finalize routing bias gradient (moegrad extension, D23) ----
+  m.def("moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num,
+           const Opt& gb) {
+          Args a;
+          run(plan_moe_finalize_routing_bias_grad(a(gy), a(eidx), a(scales),
+                                                  FinalizeRoutingBiasGradAttrs{expert_num},
+                                                  a(gb)));
+        });
+  m.def("infer_moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num) -> Shapes {
+          Args a;
+          return infer_moe_finalize_routing_bias_grad(a(gy), a(eidx), a(scales),
+                                                      FinalizeRoutingBiasGradAttrs{expert_num});
         });
 
   // ---- SwiGLU ----

@@ -1,6 +1,7 @@
 // Tensor handles, executor registry and error slot of the C API.
 #include "core/acl_api.h"
 
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_set>
@@ -9,7 +10,8 @@
 
 struct aclOpExecutor {
   moegrad::ExecutorPtr impl;
-  bool repeatable = false;
+  bool repeatable = false;  // both fields are guarded by the registry mutex
+  bool running = false;     // a repeatable executor's stage two is in progress
 };
 
 namespace moegrad {
@@ -24,12 +26,33 @@ std::unordered_set<aclOpExecutor*>& registry() {
   return *r;
 }
 
-bool take_or_check(aclOpExecutor* e, bool take) {
+// Every check-then-act on an executor happens under the registry lock, so executors shared
+// across threads give a status, never a use-after-free or a double free: a one-shot executor is
+// taken out of the registry by exactly one caller; a repeatable one is marked running, and a
+// second concurrent run, a destroy or a repeatable switch during a run are refused.
+enum class Use { kUnknown, kBusy, kOneShot, kRepeatable };
+
+Use begin_run(aclOpExecutor* e) {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   auto it = registry().find(e);
-  if (it == registry().end()) return false;
-  if (take) registry().erase(it);
-  return true;
+  if (it == registry().end()) return Use::kUnknown;
+  if (e->running) return Use::kBusy;
+  if (!e->repeatable) {
+    registry().erase(it);
+    return Use::kOneShot;
+  }
+  e->running = true;
+  return Use::kRepeatable;
+}
+
+void end_run(aclOpExecutor* e) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  e->running = false;
+}
+
+[[noreturn]] void busy(const char* op) {
+  throw Error(kErrParamInvalid, cat(op, ": executor: must not be in use by another thread; got "
+                                        "an executor whose stage two is running"));
 }
 
 DType dtype_from_acl(aclDataType t) {
@@ -39,7 +62,9 @@ DType dtype_from_acl(aclDataType t) {
     case ACL_BF16: return DType::kBFloat16;
     case ACL_INT32: return DType::kInt32;
     case ACL_INT64: return DType::kInt64;
-    default: return DType::kOther;
+    // Other codes are kept as they are (DType's values are aclDataType's), so a dtype error can
+    // name the dtype seen; no operator accepts them.
+    default: return static_cast<int32_t>(t) >= 0 ? static_cast<DType>(t) : DType::kOther;
   }
 }
 
@@ -71,17 +96,22 @@ aclnnStatus stage_two(const char* op, void* workspace, uint64_t workspace_size,
     if (executor == nullptr) {
       throw Error(kErrNullptr, cat(op, ": executor: must not be null; got null"));
     }
-    if (!take_or_check(executor, false)) {
+    const Use use = begin_run(executor);
+    if (use == Use::kUnknown) {
       throw Error(kErrParamInvalid, cat(op, ": executor: must come from a GetWorkspaceSize call "
                                             "and not be consumed or destroyed; got an unknown "
                                             "executor"));
     }
-    if (executor->repeatable) {
+    if (use == Use::kBusy) busy(op);
+    if (use == Use::kRepeatable) {
+      struct EndRun {
+        aclOpExecutor* e;
+        ~EndRun() { end_run(e); }
+      } end{executor};
       executor->impl->run(workspace, workspace_size, stream);
       return;
     }
     // One-shot: consumed whether or not the run succeeds, as in aclnn.
-    take_or_check(executor, true);
     std::unique_ptr<aclOpExecutor> owned(executor);
     owned->impl->run(workspace, workspace_size, stream);
   });
@@ -126,9 +156,22 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
       }
       v.shape[i] = viewDims[i];
       v.strides[i] = stride ? stride[i] : expect;
-      expect *= viewDims[i];
+      expect = moegrad::mul_sat(expect, viewDims[i]);
     }
     const int64_t esize = moegrad::element_size(dataType);
+    // Sizes are computed in int64 everywhere: a tensor whose byte size (or offset) does not fit
+    // is refused here rather than overflowing later.
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    if (moegrad::mul_sat(v.numel(), esize > 0 ? esize : 1) == kMax) {
+      throw Error(moegrad::kErrParamInvalid,
+                  cat("aclCreateTensor: viewDims: the byte size must fit in int64; got shape ",
+                      moegrad::shape_str(v)));
+    }
+    if (moegrad::mul_sat(offset, esize > 0 ? esize : 1) == kMax) {
+      throw Error(moegrad::kErrParamInvalid,
+                  cat("aclCreateTensor: offset: offset * element size must fit in int64; got ",
+                      offset));
+    }
     v.data = tensorData ? static_cast<char*>(tensorData) + offset * esize : nullptr;
     v.device = moegrad::Device::kCPU;
     out = t.release();
@@ -143,7 +186,8 @@ aclnnStatus aclDestroyTensor(const aclTensor* tensor) {
 
 aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
   return api_guard([&] {
-    if (!moegrad::take_or_check(executor, false)) {
+    std::lock_guard<std::mutex> lock(moegrad::g_registry_mutex);
+    if (moegrad::registry().count(executor) == 0) {
       throw Error(moegrad::kErrParamInvalid,
                   "aclSetAclOpExecutorRepeatable: executor: must be a live executor; got an "
                   "unknown one");
@@ -155,10 +199,20 @@ aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
 aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor) {
   return api_guard([&] {
     if (executor == nullptr) return;
-    if (!moegrad::take_or_check(executor, true)) {
-      throw Error(moegrad::kErrParamInvalid,
-                  "aclDestroyAclOpExecutor: executor: must be a live executor; got an unknown "
-                  "one (already consumed or destroyed)");
+    {
+      std::lock_guard<std::mutex> lock(moegrad::g_registry_mutex);
+      auto it = moegrad::registry().find(executor);
+      if (it == moegrad::registry().end()) {
+        throw Error(moegrad::kErrParamInvalid,
+                    "aclDestroyAclOpExecutor: executor: must be a live executor; got an unknown "
+                    "one (already consumed or destroyed)");
+      }
+      if (executor->running) {
+        throw Error(moegrad::kErrParamInvalid,
+                    "aclDestroyAclOpExecutor: executor: must not be in use by another thread; "
+                    "got an executor whose stage two is running");
+      }
+      moegrad::registry().erase(it);
     }
     delete executor;
   });

@@ -3,9 +3,12 @@
 #ifndef MOEGRAD_CORE_CHECK_H_
 #define MOEGRAD_CORE_CHECK_H_
 
+#include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "moegrad/moegrad.h"
 
@@ -15,6 +18,30 @@ const char* dtype_name(DType dtype);
 // Bytes per element (0 for kOther).
 int64_t dtype_size(DType dtype);
 std::string shape_str(const TensorView& t);
+
+// Saturating size arithmetic: counts, offsets and sizes never overflow (an overflow would be
+// undefined behaviour); a result that does not fit becomes INT64_MAX (INT64_MIN below), which
+// no real size equals, so a comparison against it fails with a named error instead.
+inline int64_t mul_sat(int64_t a, int64_t b) {
+  int64_t r;
+  if (!__builtin_mul_overflow(a, b, &r)) return r;
+  return (a < 0) != (b < 0) ? std::numeric_limits<int64_t>::min()
+                            : std::numeric_limits<int64_t>::max();
+}
+inline int64_t add_sat(int64_t a, int64_t b) {
+  int64_t r;
+  if (!__builtin_add_overflow(a, b, &r)) return r;
+  return a < 0 ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
+}
+
+// One argument's claim about a size several arguments must agree on (see Validator::agree).
+struct Claim {
+  const char* arg;
+  int64_t value;
+  std::string where;  // e.g. "dim 0 of [3, 4]"
+};
+// The claim of dim d of t (d < 0 counts from the end).
+Claim dim_claim(const TensorView& t, const char* arg, int d);
 
 // Concatenates its arguments with operator<<.
 template <typename... Args>
@@ -55,6 +82,12 @@ class Validator {
   void dim(const TensorView& t, const char* arg, int d, int64_t want, const std::string& what) const;
   // Shape code unless t has exactly `want` as shape.
   void shape(const TensorView& t, const char* arg, const Shape& want) const;
+
+  // Several arguments carry the same size (the token count, the hidden size, ...). The value
+  // most claims agree on is taken as right (a tie goes to the earliest claim; list inputs before
+  // outputs) and the first claim that differs is blamed, so the error names the argument that
+  // is actually wrong rather than the one it was compared with. Returns the agreed value.
+  int64_t agree(const std::string& what, const std::vector<Claim>& claims) const;
 
   int32_t shape_code() const { return shape_code_; }
   const char* op() const { return op_; }

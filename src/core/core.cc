@@ -15,8 +15,12 @@ Error::Error(int32_t code, const std::string& message)
 Executor::~Executor() = default;
 
 int64_t TensorView::numel() const {
+  // Saturates (a zero dim anywhere still gives 0): shapes from the C API are not trusted.
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] == 0) return 0;
+  }
+  for (int i = 0; i < ndim; ++i) n = mul_sat(n, shape[i]);
   return n;
 }
 
@@ -25,7 +29,7 @@ bool TensorView::is_contiguous() const {
   for (int i = ndim - 1; i >= 0; --i) {
     // Strides of size-1 dims are irrelevant (PyTorch may report anything there).
     if (shape[i] != 1 && strides[i] != expect) return numel() == 0;
-    expect *= shape[i];
+    expect = mul_sat(expect, shape[i]);
   }
   return true;
 }
@@ -44,7 +48,7 @@ TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int
   for (int i = t.ndim - 1; i >= 0; --i) {
     t.shape[i] = shape[i];
     t.strides[i] = stride;
-    stride *= shape[i];
+    stride = mul_sat(stride, shape[i]);
   }
   t.device = device;
   t.device_id = device_id;
@@ -58,6 +62,21 @@ const char* dtype_name(DType dtype) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    default: break;
+  }
+  // Dtypes no operator takes keep their aclDataType code, so errors can name them.
+  switch (static_cast<int32_t>(dtype)) {
+    case 2: return "int8";
+    case 4: return "uint8";
+    case 6: return "int16";
+    case 7: return "uint16";
+    case 8: return "uint32";
+    case 10: return "uint64";
+    case 11: return "float64";
+    case 12: return "bool";
+    case 13: return "string";
+    case 16: return "complex64";
+    case 17: return "complex128";
     default: return "an unsupported dtype";
   }
 }
@@ -78,6 +97,31 @@ std::string shape_str(const TensorView& t) {
     s += std::to_string(t.shape[i]);
   }
   return s + "]";
+}
+
+Claim dim_claim(const TensorView& t, const char* arg, int d) {
+  const int i = d < 0 ? t.ndim + d : d;
+  return Claim{arg, t.shape[i], cat("dim ", i, " of ", shape_str(t))};
+}
+
+int64_t Validator::agree(const std::string& what, const std::vector<Claim>& claims) const {
+  size_t best = 0, best_count = 0;
+  for (size_t i = 0; i < claims.size(); ++i) {
+    size_t count = 0;
+    for (const Claim& c : claims) count += c.value == claims[i].value;
+    if (count > best_count) best = i, best_count = count;
+  }
+  const int64_t want = claims[best].value;
+  for (const Claim& c : claims) {
+    if (c.value == want) continue;
+    std::string from;
+    for (const Claim& o : claims) {
+      if (o.value == want) from += from.empty() ? cat(o.arg, "'s ", o.where) : cat(", ", o.arg, "'s ", o.where);
+    }
+    fail_shape(c.arg, cat(what, " must equal ", want, " (", from, "); got ", c.value, " (",
+                          c.where, ")"));
+  }
+  return want;
 }
 
 void Validator::fail(int32_t code, const char* arg, const std::string& rule) const {
@@ -103,8 +147,11 @@ void Validator::dtype_in(const TensorView& t, const char* arg,
 void Validator::same_dtype(const TensorView& t, const char* arg, DType want,
                            const char* want_from) const {
   if (t.dtype != want) {
-    fail(kErrParamInvalid, arg,
-         cat("dtype must equal ", want_from, " (", dtype_name(want), "); got ", dtype_name(t.dtype)));
+    // "must be int32", or "must equal x's dtype (float16)": each dtype named once.
+    const std::string rule = std::string(want_from) == dtype_name(want)
+                                 ? cat("dtype must be ", dtype_name(want))
+                                 : cat("dtype must equal ", want_from, " (", dtype_name(want), ")");
+    fail(kErrParamInvalid, arg, cat(rule, "; got ", dtype_name(t.dtype)));
   }
 }
 

@@ -1,5 +1,7 @@
 #include "core/host.h"
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -26,15 +28,40 @@ void check_index_unique(const Validator& v, int32_t code, const TensorView& idx,
   if (idx.device != Device::kCPU) return;
   const int32_t* p = static_cast<const int32_t*>(idx.data);
   const int64_t n = idx.numel();
-  std::vector<int64_t> first(static_cast<size_t>(hi), -1);
-  for (int64_t i = 0; i < n; ++i) {
-    if (p[i] < 0) continue;
-    int64_t& seen = first[static_cast<size_t>(p[i])];
-    if (seen >= 0) {
-      v.fail(code, arg, cat("each valid value must appear at most once; got ", p[i],
-                            " at flat positions ", seen, " and ", i));
+  auto fail = [&](int32_t value, int64_t a, int64_t b) {
+    v.fail(code, arg, cat("each valid value must appear at most once; got ", value,
+                          " at flat positions ", a, " and ", b));
+  };
+  if (hi <= 4 * n + 4096) {
+    // A table of first positions: linear time, memory bounded by the index length.
+    std::vector<int64_t> first(static_cast<size_t>(std::max<int64_t>(hi, 0)), -1);
+    for (int64_t i = 0; i < n; ++i) {
+      if (p[i] < 0) continue;
+      int64_t& seen = first[static_cast<size_t>(p[i])];
+      if (seen >= 0) fail(p[i], seen, i);
+      seen = i;
     }
-    seen = i;
+    return;
+  }
+  // A value range far larger than the index (huge expert_num * expert_capacity attributes):
+  // sort (value, position) pairs instead of allocating a table of `hi` entries.
+  std::vector<std::pair<int32_t, int64_t>> sorted;
+  sorted.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] >= 0) sorted.emplace_back(p[i], i);
+  }
+  std::sort(sorted.begin(), sorted.end());
+  // Report the pair whose second position comes first, as the table scan does.
+  int64_t best = -1;
+  for (size_t j = 1; j < sorted.size(); ++j) {
+    if (sorted[j].first == sorted[j - 1].first &&
+        (best < 0 || sorted[j].second < sorted[static_cast<size_t>(best)].second)) {
+      best = static_cast<int64_t>(j);
+    }
+  }
+  if (best >= 0) {
+    const auto& b = sorted[static_cast<size_t>(best)];
+    fail(b.first, sorted[static_cast<size_t>(best) - 1].second, b.second);
   }
 }
 

@@ -121,6 +121,19 @@ HWY_INLINE VF SqrtSoftplus(DF d, VF x) {
   return hn::IfThenElse(hn::IsNaN(x), x, hn::Sqrt(sp));
 }
 
+// d/dx sqrt(softplus(x)) written in n = sqrt(softplus(x)): (1 - exp(-n^2)) / (2n), since
+// exp(-softplus(x)) = 1 - sigmoid(x). expm1 keeps it accurate for small n (the limit is n / 2;
+// exactly 0 at n = 0); NaN propagates (D22).
+HWY_INLINE VF SqrtSoftplusGrad(DF d, VF n) {
+  const VF half = hn::Set(d, 0.5f);
+  const VF n2 = hn::Mul(n, n);
+  const VF num = hn::Neg(hn::Expm1(d, hn::Neg(n2)));
+  const VF big = hn::Div(hn::Mul(num, half), n);
+  const VF small = hn::Mul(n, half);  // (1 - exp(-n^2)) / (2n) = n/2 (1 - n^2/2 + ...)
+  const VF r = hn::IfThenElse(hn::Lt(hn::Abs(n), hn::Set(d, 1e-4f)), small, big);
+  return hn::IfThenElse(hn::IsNaN(n), n, r);
+}
+
 // Sum of a(i) * b(i) over n terms in a fixed blocked order (8 partial sums, then a fixed tree),
 // so the bits do not depend on threads or on the SIMD target. Defined per target so the
 // accessor lambdas inline and the 8 partial sums vectorise.

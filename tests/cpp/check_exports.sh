@@ -39,7 +39,8 @@ for want in aclCreateTensor aclDestroyTensor aclGetRecentErrMsg aclSetAclOpExecu
             aclnnMoeFinalizeRoutingV2GetWorkspaceSize aclnnMoeFinalizeRoutingV2 \
             aclnnMoeFinalizeRoutingV2GradGetWorkspaceSize aclnnMoeFinalizeRoutingV2Grad \
             aclnnSwigluGroupQuantGradGetWorkspaceSize aclnnSwigluGroupQuantGrad \
-            aclnnSwigluGroupGetWorkspaceSize aclnnSwigluGroup; do
+            aclnnSwigluGroupGetWorkspaceSize aclnnSwigluGroup \
+            aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize aclnnMoeFinalizeRoutingBiasGrad; do
   if ! grep -qx "$want" <<<"$mangled"; then
     echo "missing public C symbol: $want"
     bad=$((bad + 1))

@@ -1,4 +1,4 @@
-// Plain float64 reference loops of the six operators, written from spec/operators.md and
+// Plain float64 reference loops of the six operators, written from docs/operators.md and
 // decisions.md only (no library code). Inputs are the values the tensors hold (already rounded
 // to their dtype), row-major. Each function also returns a per-element `scale` (magnitude of
 // the terms that were summed or cancelled) for the tolerance model of test_util.h.
@@ -48,6 +48,57 @@ inline GatingBwd gating_backward(const Vec& xn, const Vec& gy, const IVec& idx, 
       const double x = xn[i * N + j];
       r.grad_x[i * N + j] = x * (1.0 - x) * G[j];
       r.scale[i * N + j] = std::fabs(x * (1.0 - x)) * Gabs[j];
+    }
+  }
+  return r;
+}
+
+// ---- D22: the gating backward for every norm type --------------------------------------------
+// xn is the forward's normalised score (softmax output, sigmoid, or n = sqrt(softplus(x))).
+// Softmax: u = g (renorm 0) or its renorm backward (renorm 1), grad_j = s_j (u_j - sum_i s_i u_i).
+// sqrt-softplus: grad_j = u_j (1 - exp(-n_j^2)) / (2 n_j) (0 at n = 0), u the renorm backward.
+inline GatingBwd gating_backward_any(const Vec& xn, const Vec& gy, const IVec& idx, int64_t M,
+                                     int64_t N, int64_t K, double rsf, double eps,
+                                     int64_t norm_type, int64_t renorm) {
+  if (norm_type == 1) return gating_backward(xn, gy, idx, M, N, K, rsf, eps);
+  const bool rn = norm_type == 2 || renorm == 1;
+  GatingBwd r{Vec(M * N, 0.0), Vec(M * N, 0.0)};
+  for (int64_t i = 0; i < M; ++i) {
+    Vec gs(K), gp(K), gpabs(K);
+    double D = eps, beta = 0.0, beta_abs = 0.0;
+    for (int64_t p = 0; p < K; ++p) {
+      gs[p] = rsf * gy[i * K + p];
+      D += xn[i * N + idx[i * K + p]];
+    }
+    for (int64_t p = 0; p < K; ++p) {
+      const double w = xn[i * N + idx[i * K + p]] / D;
+      beta += w * gs[p];
+      beta_abs += std::fabs(w * gs[p]);
+    }
+    for (int64_t p = 0; p < K; ++p) {
+      gp[p] = rn ? (gs[p] - beta) / D : gs[p];
+      gpabs[p] = rn ? (std::fabs(gs[p]) + beta_abs) / std::fabs(D) : std::fabs(gs[p]);
+    }
+    Vec G(N, 0.0), Gabs(N, 0.0);
+    for (int64_t p = 0; p < K; ++p) {
+      G[idx[i * K + p]] += gp[p];
+      Gabs[idx[i * K + p]] += gpabs[p];
+    }
+    double dot = 0.0, dot_abs = 0.0;
+    for (int64_t j = 0; j < N; ++j) {
+      dot += xn[i * N + j] * G[j];
+      dot_abs += std::fabs(xn[i * N + j]) * Gabs[j];
+    }
+    for (int64_t j = 0; j < N; ++j) {
+      const double x = xn[i * N + j];
+      if (norm_type == 0) {
+        r.grad_x[i * N + j] = x * (G[j] - dot);
+        r.scale[i * N + j] = std::fabs(x) * (Gabs[j] + dot_abs);
+      } else {
+        const double dn = x == 0.0 ? 0.0 : -std::expm1(-x * x) / (2.0 * x);
+        r.grad_x[i * N + j] = dn * G[j];
+        r.scale[i * N + j] = std::fabs(dn) * Gabs[j];
+      }
     }
   }
   return r;

@@ -44,11 +44,12 @@ struct GatingBwdCase : OpCase {
   void check_against_reference(const std::string& what) {
     std::vector<int32_t> idx(M * K);
     for (int64_t i = 0; i < M * K; ++i) idx[i] = expert_idx.i32(i);
-    ref::GatingBwd r = ref::gating_backward(x_norm.values(), grad_y.values(), idx, M, N, K,
-                                            static_cast<float>(rsf), static_cast<float>(eps));
+    ref::GatingBwd r = ref::gating_backward_any(x_norm.values(), grad_y.values(), idx, M, N, K,
+                                                static_cast<float>(rsf), static_cast<float>(eps),
+                                                norm_type, renorm);
     expect_close(out, r.grad_x, what, r.scale, static_cast<double>(K));
-    // Unselected experts get exactly 0 (§1.7).
-    for (int64_t i = 0; i < M; ++i) {
+    // Unselected experts get exactly 0 (§1.7); softmax spreads over every column.
+    for (int64_t i = 0; i < M && norm_type != 0; ++i) {
       for (int64_t j = 0; j < N; ++j) {
         bool selected = false;
         for (int64_t p = 0; p < K; ++p) selected |= idx[i * K + p] == j;
@@ -115,8 +116,9 @@ const std::vector<R> kRules = {
     {"OutDim1NotN", [](GatingBwdCase& c) { c.out = Tensor({3, 7}, ACL_FLOAT); }, kInv, "grad_x|out"},
     {"OutDim0NotM", [](GatingBwdCase& c) { c.out = Tensor({4, 6}, ACL_FLOAT); }, kInv, "grad_x|out"},
     // attributes: 161002 (D3, L3)
-    {"NormType0", [](GatingBwdCase& c) { c.norm_type = 0; }, kInv, "norm_type|normType", {"0"}},
-    {"NormType2", [](GatingBwdCase& c) { c.norm_type = 2; }, kInv, "norm_type|normType", {"2"}},
+    {"NormType3", [](GatingBwdCase& c) { c.norm_type = 3; }, kInv, "norm_type|normType", {"3"}},
+    {"SoftmaxRenorm2", [](GatingBwdCase& c) { c.norm_type = 0; c.renorm = 2; }, kInv, "renorm", {"2"}},
+    {"SoftmaxRenormMinus1", [](GatingBwdCase& c) { c.norm_type = 0; c.renorm = -1; }, kInv, "renorm", {"-1"}},
     {"NormTypeMinus1", [](GatingBwdCase& c) { c.norm_type = -1; }, kInv, "norm_type|normType"},
     {"RsfNaN", [](GatingBwdCase& c) { c.rsf = std::nan(""); }, kInv, "routed_scaling_factor|routedScalingFactor"},
     {"RsfInf", [](GatingBwdCase& c) { c.rsf = INFINITY; }, kInv, "routed_scaling_factor|routedScalingFactor"},
@@ -175,6 +177,80 @@ TEST(MoeGatingTopKBackward, WorkedExample_1_9) {
   c.check_against_reference("§1.9 gradX");
 }
 
+// D22: softmax (renorm 0 and 1) and sqrt-softplus, for every dtype and edge sizes. x_norm is a
+// real forward output: a softmax row (sums to 1) or sqrt(softplus) of random logits.
+struct NormCase {
+  int64_t norm_type, renorm;
+};
+
+class GatingBackwardNormTypes
+    : public testing::TestWithParam<std::tuple<aclDataType, NormCase, int>> {};
+
+TEST_P(GatingBackwardNormTypes, MatchesFloat64Reference) {
+  SCOPED_TRACE(seed_trace());
+  const auto [dt, nc, shape] = GetParam();
+  const int64_t shapes[][3] = {{5, 8, 2}, {4, 2, 1}, {3, 2, 2}, {3, 7, 7}, {2, 2048, 8}, {9, 257, 5}};
+  const int64_t M = shapes[shape][0], N = shapes[shape][1], K = shapes[shape][2];
+  GatingBwdCase c(M, N, K, dt, static_cast<uint32_t>(N * 37 + K + nc.norm_type));
+  c.norm_type = nc.norm_type;
+  c.renorm = nc.renorm;
+  c.rsf = shape % 2 ? 2.5 : -1.5;
+  Rng rng(static_cast<uint32_t>(M * 131 + N));
+  std::vector<double> xn(M * N);
+  for (int64_t i = 0; i < M; ++i) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < N; ++j) {
+      const double x = rng.signed_uniform(0.0, 4.0);
+      xn[i * N + j] = nc.norm_type == 0 ? std::exp(x) : std::sqrt(std::log1p(std::exp(x)));
+      sum += xn[i * N + j];
+    }
+    if (nc.norm_type == 0) {
+      for (int64_t j = 0; j < N; ++j) xn[i * N + j] /= sum;
+    }
+  }
+  c.x_norm = Tensor::from({M, N}, ACL_FLOAT, xn);
+  ASSERT_TRUE(run_ok(c));
+  c.check_against_reference("gradX");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    MoeGatingTopKBackward, GatingBackwardNormTypes,
+    testing::Combine(testing::Values(ACL_FLOAT, ACL_FLOAT16, ACL_BF16),
+                     testing::Values(NormCase{0, 0}, NormCase{0, 1}, NormCase{2, 0}, NormCase{2, 1}),
+                     testing::Range(0, 6)),
+    [](const testing::TestParamInfo<std::tuple<aclDataType, NormCase, int>>& info) {
+      const auto& n = std::get<1>(info.param);
+      return std::string(dt_name(std::get<0>(info.param))) + "_norm" + std::to_string(n.norm_type) +
+             "_renorm" + std::to_string(n.renorm) + "_shape" + std::to_string(std::get<2>(info.param));
+    });
+
+// sqrt-softplus at n = 0 (x = -inf) gives exactly 0, and tiny n follows the n / 2 limit.
+TEST(MoeGatingTopKBackward, SqrtSoftplusSmallScores) {
+  GatingBwdCase c(1, 4, 2);
+  c.norm_type = 2;
+  c.x_norm.set({0.0, 1e-6, 0.5, 3.0});
+  c.expert_idx = Tensor::from_i32({1, 2}, {0, 1});
+  c.grad_y.set({0.7, -1.3});
+  ASSERT_TRUE(run_ok(c));
+  EXPECT_EQ(c.out.get(0), 0.0);
+  c.check_against_reference("small n");
+}
+
+// Duplicate ids are summed for every norm type (D1).
+TEST(MoeGatingTopKBackward, DuplicateIdsAreSummedEveryNormType) {
+  for (int64_t nt : {0, 2}) {
+    for (int64_t rn : {0, 1}) {
+      GatingBwdCase c(3, 5, 3);
+      c.norm_type = nt;
+      c.renorm = rn;
+      c.expert_idx = Tensor::from_i32({3, 3}, {2, 2, 4, 0, 1, 0, 3, 3, 3});
+      c.rsf = 1.7;
+      ASSERT_TRUE(run_ok(c));
+      c.check_against_reference("duplicates norm_type " + std::to_string(nt));
+    }
+  }
+}
+
 struct BwdShape {
   int64_t M, N, K;
   double rsf, eps;
@@ -217,14 +293,17 @@ TEST(MoeGatingTopKBackward, DuplicateIdsAreSummed) {
   c.check_against_reference("gradX with duplicate ids");
 }
 
-// renorm is reserved and ignored (§1.4): any value gives the same bits.
+// renorm is ignored by sigmoid and sqrt-softplus (§1.4, L20): any value gives the same bits.
 TEST(MoeGatingTopKBackward, RenormIsIgnored) {
-  GatingBwdCase a(4, 9, 3, ACL_FLOAT, 7), b(4, 9, 3, ACL_FLOAT, 7);
-  a.renorm = 0;
-  b.renorm = 1;
-  ASSERT_TRUE(run_ok(a));
-  ASSERT_TRUE(run_ok(b));
-  expect_bitwise_equal(a.out, b.out, "renorm 0 vs 1");
+  for (int64_t nt : {1, 2}) {
+    GatingBwdCase a(4, 9, 3, ACL_FLOAT, 7), b(4, 9, 3, ACL_FLOAT, 7);
+    a.norm_type = b.norm_type = nt;
+    a.renorm = 0;
+    b.renorm = 5;
+    ASSERT_TRUE(run_ok(a));
+    ASSERT_TRUE(run_ok(b));
+    expect_bitwise_equal(a.out, b.out, "renorm 0 vs 5");
+  }
 }
 
 // A selected expert with x_norm exactly 0 or 1 gets exactly 0 (§1.7).

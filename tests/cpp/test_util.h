@@ -135,6 +135,9 @@ class Rng {
 // Tensor
 // ---------------------------------------------------------------------------------------------
 inline int64_t numel_of(const std::vector<int64_t>& shape) {
+  for (int64_t d : shape) {
+    if (d == 0) return 0;  // zero-sized shapes may have huge other dims
+  }
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;

@@ -34,7 +34,7 @@ dtype_params = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 # The tolerance table (the only one in the suite).
 #
 # The kernels widen fp16/bf16 to fp32, compute in fp32 and narrow the result once with
-# round-to-nearest-even (spec §0.4, D12); the reference computes in float64 from the same rounded
+# round-to-nearest-even (§0.4, D12); the reference computes in float64 from the same rounded
 # inputs. With v the kernel's fp32 value before narrowing, |round(v) - ref| <= ulp/2 + |v - ref|,
 # so an element passes when
 #     |out - ref| <= atol + ulp(out dtype at |ref|) / 2 + ctol * (1 + sqrt(n_reduce)) * scale

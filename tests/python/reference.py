@@ -1,7 +1,7 @@
 """Independent float64 reference implementations of the six moegrad operators.
 
-Written from /work/shared/spec/operators.md (sections named below), the spec decisions D1-D21
-(/work/shared/spec/decisions.md) and the local decisions L1-L11 (docs/decisions.md) only -- never
+Written from docs/operators.md (sections named below), the contract decisions D1-D21 and the
+local decisions L1-L11 (both in docs/decisions.md) only -- never
 from the library's code.
 
 Conventions
@@ -10,7 +10,7 @@ Conventions
   float64 *after* whatever rounding the tensor already carries, so pass the tensor that was given
   to the library (fp16/bf16-rounded), not the value it was drawn from.
 * All arithmetic is float64. Attributes that the operators take as fp32 (routed_scaling_factor,
-  eps, clamp_limit; spec §1.4, §2.2, §5.6 "exact fp32 compare") are first rounded to fp32.
+  eps, clamp_limit; §1.4, §2.2, §5.6 "exact fp32 compare") are first rounded to fp32.
 * Outputs are float64 numpy arrays; indices are int64 numpy arrays.
 * Nothing here narrows to fp16/bf16: the tests compare with a per-dtype tolerance instead.
 """
@@ -374,7 +374,8 @@ def swiglu_trunc(T, group_index):
     if group_index is None:
         return T
     gi = as_i64(group_index).reshape(-1)
-    return int(min(max(int(np.sum(gi, dtype=np.int64)), 0), T))
+    total = sum(int(v) for v in gi)  # exact: numpy's int64 sum would wrap around (L52)
+    return int(min(max(total, 0), T))
 
 
 def _split(x):

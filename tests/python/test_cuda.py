@@ -125,9 +125,9 @@ def test_gating_forward_ties_go_to_lower_index():
 # gating top-k backward
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("M,N,K", [(40, 256, 8), (7, 2, 1), (5, 2, 2), (3, 2048, 8), (0, 16, 4),
-                                   (11, 32, 32)])
+                                   (11, 32, 32), (4, 64, 40)])
 @dtype_params
-def test_gating_backward_matches_reference_and_cpu(M, N, K, dtype, rng):
+def test_gating_backward_sigmoid_matches_reference_and_cpu(M, N, K, dtype, rng):
     xn = torch.sigmoid(randn((M, N), torch.float32, rng))
     gy = randn((M, K), dtype, rng)
     e = rand_expert_idx(M, K, N, rng, distinct=False)  # repeats are summed (D1)
@@ -138,6 +138,27 @@ def test_gating_backward_matches_reference_and_cpu(M, N, K, dtype, rng):
     cgx = moegrad.moe_gating_top_k_backward(xn, gy, e, routed_scaling_factor=1.5)
     # Same operations in the same order as the CPU kernel: identical bits.
     assert bitwise_equal(gx, cgx)
+
+
+@pytest.mark.parametrize("norm_type,renorm", [(0, 0), (0, 1), (2, 0)])
+@pytest.mark.parametrize("M,N,K", [(40, 256, 8), (7, 2, 1), (3, 2048, 8), (0, 16, 4), (4, 64, 40)])
+@dtype_params
+def test_gating_backward_softmax_and_softplus_match_cpu(norm_type, renorm, M, N, K, dtype, rng):
+    logits = randn((M, N), torch.float32, rng)
+    if norm_type == 0:
+        xn = torch.softmax(logits, dim=1)
+    else:
+        xn = torch.sqrt(torch.nn.functional.softplus(logits))
+    gy = randn((M, K), dtype, rng)
+    e = rand_expert_idx(M, K, N, rng, distinct=False)
+    kw = dict(renorm=renorm, norm_type=norm_type, routed_scaling_factor=2.5)
+    gx = moegrad.moe_gating_top_k_backward(cu(xn), cu(gy), cu(e), **kw)
+    cgx = moegrad.moe_gating_top_k_backward(xn, gy, e, **kw)
+    if norm_type == 0:
+        assert bitwise_equal(gx, cgx)  # arithmetic only, in the CPU's order
+    else:  # expm1 may round differently
+        mag = np.abs(ref.as_f64(cgx)) + 1e-6 * np.abs(ref.as_f64(gy)).max(initial=0.0)
+        assert_close_to_cpu(gx, cgx, dtype, scale=mag, n_reduce=K, what="grad_x vs CPU")
 
 
 def test_gating_backward_invalid_device_indices_are_skipped(rng):

@@ -1,5 +1,5 @@
 """Validate the float64 reference (reference.py) against the worked examples of operators.md
-(§1.9, §3.9 with and without bias, §4.7, §5.8) and a few properties stated in the spec.
+(§1.9, §3.9 with and without bias, §4.7, §5.8) and a few properties stated in docs/operators.md.
 Runs without the library."""
 
 import numpy as np
@@ -181,7 +181,7 @@ def test_reference_finalize_forward_layouts_and_dropped_slots():
 
 # --- §5.8 SwiGLU backward ---------------------------------------------------------------------
 def example_5_8_inputs():
-    """The §5.8 inputs, built as the spec describes (values converted to fp16; weight fp32)."""
+    """The §5.8 inputs, built as docs/operators.md §5.8 describes (values converted to fp16; weight fp32)."""
     i = np.arange(512 * 512)
     grad_y = ((i % 10) * 0.1).astype(np.float32).astype(np.float16).reshape(512, 512)
     j = np.arange(512 * 1024)

@@ -59,6 +59,34 @@ def oc_gating_bwd_f16_int64(g):
         _rows_idx(g, 4, 8, 2, I64), 0, 1, 1.0, 1e-20)
 
 
+def oc_gating_defaults_grad(g):
+    """Default arguments (softmax, no renorm): the autograd path must work (D22)."""
+    return OPS.moe_gating_top_k.default, (randn(g, 6, 16).requires_grad_(), 3)
+
+
+def oc_gating_softmax_renorm_outflag_grad(g):
+    return OPS.moe_gating_top_k.default, (randn(g, 6, 16, dtype=BF16).requires_grad_(), 4,
+                                          randn(g, 16, scale=0.1, dtype=BF16), 2, 4, 0, 1, 0,
+                                          True, 2.5, 1e-20)
+
+
+def oc_gating_sqrt_softplus_grad(g):
+    return OPS.moe_gating_top_k.default, (randn(g, 5, 8).requires_grad_(), 2, None, 1, 1, 0, 0,
+                                          2, True, 1.5, 1e-10)
+
+
+def oc_gating_bwd_softmax(g):
+    x_norm = torch.softmax(randn(g, 6, 16), dim=-1)
+    return OPS.moe_gating_top_k_backward.default, (
+        x_norm, upstream(g, 6, 3), _rows_idx(g, 6, 16, 3), 1, 0, 2.5, 1e-10)
+
+
+def oc_gating_bwd_sqrt_softplus(g):
+    x_norm = torch.sqrt(torch.nn.functional.softplus(randn(g, 6, 16)))
+    return OPS.moe_gating_top_k_backward.default, (
+        x_norm, upstream(g, 6, 3, dtype=BF16), _rows_idx(g, 6, 16, 3), 0, 2, 1.0, 1e-20)
+
+
 def oc_fin_full(g):
     R, K, H, E = 4, 2, 8, 3
     return OPS.moe_finalize_routing.default, (
@@ -84,6 +112,29 @@ def oc_fin_droppad(g):
         randn(g, E, C, H).requires_grad_(), _droppad_idx(g, R * K, E * C), None, None,
         randn(g, E, H), rand(g, R, K).requires_grad_(),
         torch.randint(0, E, (R, K), generator=g).to(I32), 1, K)
+
+
+def oc_fin_every_grad_rowlayout(g):
+    """Mode 2 (row layout) with every differentiable input requiring grad (D23)."""
+    R, K, H, E = 4, 2, 8, 3
+    return OPS.moe_finalize_routing.default, (
+        randn(g, R * K, H).requires_grad_(), randperm(g, R * K), randn(g, R, H).requires_grad_(),
+        randn(g, R, H).requires_grad_(), randn(g, E, H).requires_grad_(),
+        rand(g, R, K).requires_grad_(), torch.randint(0, E, (R, K), generator=g).to(I32), 2, K)
+
+
+def oc_fin_droppad_rowlayout_bias_grad(g):
+    R, K, H, E, C = 4, 2, 8, 3, 4
+    return OPS.moe_finalize_routing.default, (
+        randn(g, E, C, H, dtype=BF16), _droppad_idx(g, R * K, E * C), None, None,
+        randn(g, E, H, dtype=BF16).requires_grad_(), None,
+        torch.randint(0, E, (R, K), generator=g).to(I32), 3, K)
+
+
+def oc_fin_bias_grad(g):
+    R, K, H, E = 6, 3, 8, 4
+    return OPS.moe_finalize_routing_bias_grad.default, (
+        upstream(g, R, H), torch.randint(0, E, (R, K), generator=g).to(I32), rand(g, R, K), E)
 
 
 def oc_fin_grad_full(g):
@@ -135,8 +186,10 @@ def oc_swiglu_bwd_plain(g):
 
 
 OPCHECK = [oc_gating_full, oc_gating_plain, oc_gating_sigmoid_nobias_grad, oc_gating_bwd,
-           oc_gating_bwd_f16_int64, oc_fin_full, oc_fin_minimal, oc_fin_defaults_only,
-           oc_fin_droppad, oc_fin_grad_full, oc_fin_grad_noscales, oc_fin_grad_droppad,
+           oc_gating_bwd_f16_int64, oc_gating_defaults_grad, oc_gating_softmax_renorm_outflag_grad,
+           oc_gating_sqrt_softplus_grad, oc_gating_bwd_softmax, oc_gating_bwd_sqrt_softplus, oc_fin_full, oc_fin_minimal, oc_fin_defaults_only,
+           oc_fin_droppad, oc_fin_every_grad_rowlayout, oc_fin_droppad_rowlayout_bias_grad,
+           oc_fin_bias_grad, oc_fin_grad_full, oc_fin_grad_noscales, oc_fin_grad_droppad,
            oc_fin_grad_active,
            oc_swiglu_full, oc_swiglu_plain, oc_swiglu_bwd_full, oc_swiglu_bwd_plain]
 
@@ -151,7 +204,8 @@ def test_opcheck_covers_all_six_ops():
     names = {f(torch.Generator().manual_seed(0))[0].name() for f in OPCHECK}
     assert names == {f"moegrad::{n}" for n in (
         "moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
-        "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward")}
+        "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
+        "moe_finalize_routing_bias_grad")}
 
 
 # ----------------------------------------------------------------- fake-tensor inference ----

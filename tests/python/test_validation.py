@@ -348,8 +348,8 @@ case("grad_x-rank1", G, {}, new("grad_x", 64), PARAM_INVALID, "grad_x")
 case("grad_x-rank3", G, {}, new("grad_x", 1, 4, 16), PARAM_INVALID, "grad_x")
 case("grad_x-cols", G, {}, new("grad_x", 4, 15), PARAM_INVALID, "grad_x")
 case("grad_x-rows", G, {}, new("grad_x", 5, 16), PARAM_INVALID, "grad_x")
-case("norm_type-0", G, {}, attr("norm_type", 0), PARAM_INVALID, "norm_type")
-case("norm_type-2", G, {}, attr("norm_type", 2), PARAM_INVALID, "norm_type")
+case("norm_type-3", G, {}, attr("norm_type", 3), PARAM_INVALID, "norm_type", [[3]])
+case("softmax-renorm-2", G, dict(norm_type=0), attr("renorm", 2), PARAM_INVALID, "renorm", [[2]])
 case("norm_type-neg", G, {}, attr("norm_type", -1), PARAM_INVALID, "norm_type")
 case("eps-nan", G, {}, attr("eps", NAN), PARAM_INVALID, "eps")
 case("eps-inf", G, {}, attr("eps", INF), PARAM_INVALID, "eps")
@@ -852,9 +852,12 @@ PUBLIC = [
      TILING, "group_count"),
     ("gating-x-rank3", lambda g: moegrad.moe_gating_top_k(randn(g, 2, 4, 16), 2), TILING, "x"),
     # gating backward
-    ("gating_bwd-norm_type-0", lambda g: moegrad.moe_gating_top_k_backward(
-        rand(g, 4, 16), upstream(g, 4, 2), _rows_idx(g, 4, 16, 2), norm_type=0),
+    ("gating_bwd-norm_type-3", lambda g: moegrad.moe_gating_top_k_backward(
+        rand(g, 4, 16), upstream(g, 4, 2), _rows_idx(g, 4, 16, 2), norm_type=3),
      PARAM_INVALID, "norm_type"),
+    ("gating_bwd-softmax-renorm-2", lambda g: moegrad.moe_gating_top_k_backward(
+        rand(g, 4, 16), upstream(g, 4, 2), _rows_idx(g, 4, 16, 2), renorm=2, norm_type=0),
+     PARAM_INVALID, "renorm"),
     ("gating_bwd-N1", lambda g: moegrad.moe_gating_top_k_backward(
         rand(g, 4, 1), upstream(g, 4, 1), torch.zeros(4, 1, dtype=I32)),
      PARAM_INVALID, "x_norm"),

@@ -1,6 +1,6 @@
-"""The worked examples of operators.md (§1.9, §3.9 with and without bias, §4.7, §5.8) through
-the moegrad public API, checked against the values listed in the spec to their listed precision
-(plus the output dtype's rounding from the tolerance table)."""
+"""The worked examples of docs/operators.md (§1.9, §3.9 with and without bias, §4.7, §5.8) through
+the moegrad public API, checked against the values listed there to their listed precision (plus
+the output dtype's rounding from the tolerance table)."""
 
 import numpy as np
 import torch

@@ -1,4 +1,4 @@
-// Validation, shape inference and planning of finalize routing (spec §3.6, §4.6, D6).
+// Validation, shape inference and planning of finalize routing (§3.6, §4.6, D6).
 #include "ops/finalize_routing/finalize_routing.h"
 
 #include "core/check.h"
@@ -73,28 +73,31 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   }
   if (with_outputs) v.rank(*out, "out", 2);
 
-  // Token count R and top-k K (L4).
+  // Token count R, top-k K and hidden size H (L4). Where several tensors carry one of them they
+  // must agree, and the odd one out is named (L50). k (Python only) must be >= 1 and, unless left
+  // at its default of 1, agree with the tensors (L51).
   const int64_t n_idx = idx->shape[0];
+  if (!with_outputs) v.check_shape(k_hint >= 1, "k", cat("must be >= 1; got ", k_hint));
+  const bool k_given = !with_outputs && k_hint != 1;
+  std::vector<Claim> r_claims;
+  for (auto [t, name] : {std::pair{scales, "scales"}, {eidx, "expert_idx"}, {x1, "x1"}, {x2, "x2"}}) {
+    if (t) r_claims.push_back(dim_claim(*t, name, 0));
+  }
+  if (with_outputs) r_claims.push_back(dim_claim(*out, "out", 0));
   int64_t R;
-  if (with_outputs) {
-    R = out->shape[0];
-  } else if (scales) {
-    R = scales->shape[0];
-  } else if (eidx) {
-    R = eidx->shape[0];
-  } else if (x1) {
-    R = x1->shape[0];
+  if (!r_claims.empty()) {
+    R = v.agree("token count R", r_claims);
   } else {
-    v.check_shape(k_hint >= 1, "k", cat("must be >= 1; got ", k_hint));
     v.check_shape(n_idx % k_hint == 0, "k",
                   cat("must divide the length of expanded_row_idx (", n_idx, "); got ", k_hint));
     R = n_idx / k_hint;
   }
   int64_t K;
-  if (scales) {
-    K = scales->shape[1];
-  } else if (eidx) {
-    K = eidx->shape[1];
+  std::vector<Claim> k_claims;
+  if (scales) k_claims.push_back(dim_claim(*scales, "scales", 1));
+  if (eidx) k_claims.push_back(dim_claim(*eidx, "expert_idx", 1));
+  if (!k_claims.empty()) {
+    K = v.agree("top-k K", k_claims);
   } else if (R > 0) {
     v.check_shape(n_idx % R == 0, "expanded_row_idx",
                   cat("length must be a multiple of the token count R (", R, "); got ", n_idx));
@@ -102,27 +105,33 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   } else {
     K = k_hint >= 1 ? k_hint : 1;
   }
-  v.check_shape(K >= 1, scales ? "scales" : "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
-  if (scales && eidx) v.dim(*eidx, "expert_idx", 1, K, "scales' dim 1 (K)");
-  for (auto [t, name] : {std::pair{x1, "x1"}, {x2, "x2"}, {scales, "scales"}, {eidx, "expert_idx"}}) {
-    if (t) v.dim(*t, name, 0, R, "the token count R");
+  const char* k_arg = scales ? "scales" : eidx ? "expert_idx" : "expanded_row_idx";
+  v.check_shape(K >= 1, k_arg, cat("top-k K must be >= 1; got ", K));
+  if (k_given) {
+    v.check_shape(k_hint == K, "k",
+                  cat("must equal the top-k K the tensors give (", K, ", from ", k_arg,
+                      "); got ", k_hint));
   }
+  std::vector<Claim> h_claims{dim_claim(*ex, "expanded_x", -1)};
   for (auto [t, name] : {std::pair{x1, "x1"}, {x2, "x2"}, {bias, "bias"}}) {
-    if (t) v.dim(*t, name, 1, H, "the hidden size H of expanded_x");
+    if (t) h_claims.push_back(dim_claim(*t, name, 1));
   }
-  v.check_shape(n_idx == R * K, "expanded_row_idx",
-                cat("length must equal R * K (", R, " * ", K, " = ", R * K, "); got ", n_idx));
+  if (with_outputs) h_claims.push_back(dim_claim(*out, "out", 1));
+  v.agree("hidden size H", h_claims);
+  const int64_t RK = mul_sat(R, K);
+  v.check_shape(n_idx == RK, "expanded_row_idx",
+                cat("length must equal R * K (", R, " * ", K, "); got ", n_idx));
   if (bias) v.check_shape(bias->shape[0] >= 1, "bias", cat("dim 0 (E) must be >= 1; got ", bias->shape[0]));
   if (bias && drop_pad) v.dim(*bias, "bias", 0, ex->shape[0], "expanded_x's expert count E");
   if (!drop_pad) {
     // Fewer rows than R*K is an active_num-truncated expanded_x (L5); more is a caller bug.
-    v.check_shape(ex->shape[0] <= R * K, "expanded_x",
-                  cat("dim 0 must be <= R * K (", R * K, ") in dropless modes; got ", ex->shape[0]));
+    v.check_shape(ex->shape[0] <= RK, "expanded_x",
+                  cat("dim 0 must be <= R * K (", RK, ") in dropless modes; got ", ex->shape[0]));
   }
   if (with_outputs) v.shape(*out, "out", {R, H});
 
-  const int64_t rows = drop_pad ? ex->shape[0] * ex->shape[1] : ex->shape[0];
-  check_expanded_row_idx(v, *idx, drop_pad, drop_pad ? rows : R * K);
+  const int64_t rows = drop_pad ? mul_sat(ex->shape[0], ex->shape[1]) : ex->shape[0];
+  check_expanded_row_idx(v, *idx, drop_pad, drop_pad ? rows : RK);
   if (bias) check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, bias->shape[0]);
 
   p.expanded_x = *ex;
@@ -202,55 +211,69 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
     v.check_shape(a.expert_capacity > 0, "expert_capacity",
                   cat("must be > 0 in drop-pad mode; got ", a.expert_capacity));
   }
+  v.check_shape(a.active_num >= 0, "active_num", cat("must be >= 0; got ", a.active_num));
   v.rank(*gy, "grad_y", 2);
-  const int64_t R = gy->shape[0], H = gy->shape[1];
-  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
   v.rank(*idx, "expanded_row_idx", 1);
-  const int64_t n_idx = idx->shape[0];
-  int64_t K = 1;
   if (scales) {
     v.check_shape(ex != nullptr, "expanded_x", "expanded_x is required when scales are given; got null");
     v.rank(*scales, "scales", 2);
-    v.dim(*scales, "scales", 0, R, "the token count R of grad_y");
-    K = scales->shape[1];
-    v.check_shape(K >= 1, "scales", cat("top-k K (dim 1) must be >= 1; got ", K));
-    v.check_shape(n_idx == R * K, "expanded_row_idx",
-                  cat("length must equal R * K (", R, " * ", K, " = ", R * K, "); got ", n_idx));
-  } else {
-    v.check_shape(n_idx == R, "expanded_row_idx",
-                  cat("length must equal R (", R, ") when scales are absent (K = 1); got ", n_idx));
-  }
-  int64_t rows;
-  Shape gex_shape;
-  if (mode == 0) {
-    rows = (a.active_num > 0 && a.active_num < R * K) ? a.active_num : R * K;
-    gex_shape = {rows, H};
-  } else {
-    rows = a.expert_num * a.expert_capacity;
-    gex_shape = {a.expert_num, a.expert_capacity, H};
-  }
-  if (ex_used) {
     v.rank(*ex_used, "expanded_x", mode == 0 ? 2 : 3);
-    if (mode == 0) {
-      v.dim(*ex_used, "expanded_x", 0, rows, "the expanded row count (R * K or active_num)");
-    } else {
-      v.check_shape(ex_used->shape[0] * ex_used->shape[1] == rows, "expanded_x",
-                    cat("dims 0 and 1 must multiply to expert_num * expert_capacity (", rows,
-                        "); got ", shape_str(*ex_used)));
-    }
-    v.dim(*ex_used, "expanded_x", ex_used->ndim - 1, H, "the hidden size H of grad_y");
   }
   if (bias_used) {
     v.check_shape(eidx != nullptr, "expert_idx", "expert_idx is required when bias is given; got null");
     v.rank(*eidx_used, "expert_idx", 2);
     v.rank(*bias_used, "bias", 2);
-    v.dim(*eidx_used, "expert_idx", 0, R, "the token count R of grad_y");
-    v.check_shape(eidx_used->numel() == R * K, "expert_idx",
-                  cat("element count must equal R * K (", R * K, "); got ", eidx_used->numel()));
+  }
+  // Token count R, hidden size H and top-k K: the odd one out is named (L50).
+  std::vector<Claim> r_claims{dim_claim(*gy, "grad_y", 0)};
+  if (scales) r_claims.push_back(dim_claim(*scales, "scales", 0));
+  if (eidx_used) r_claims.push_back(dim_claim(*eidx_used, "expert_idx", 0));
+  const int64_t R = v.agree("token count R", r_claims);
+  std::vector<Claim> h_claims{dim_claim(*gy, "grad_y", 1)};
+  if (ex_used) h_claims.push_back(dim_claim(*ex_used, "expanded_x", -1));
+  if (bias_used) h_claims.push_back(dim_claim(*bias_used, "bias", 1));
+  if (with_outputs && gex->ndim >= 1) h_claims.push_back(dim_claim(*gex, "grad_expanded_x", -1));
+  const int64_t H = v.agree("hidden size H", h_claims);
+  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  const int64_t n_idx = idx->shape[0];
+  int64_t K = 1;
+  if (scales) {
+    std::vector<Claim> k_claims{dim_claim(*scales, "scales", 1)};
+    if (eidx_used) k_claims.push_back(dim_claim(*eidx_used, "expert_idx", 1));
+    K = v.agree("top-k K", k_claims);
+    v.check_shape(K >= 1, "scales", cat("top-k K (dim 1) must be >= 1; got ", K));
+    v.check_shape(n_idx == mul_sat(R, K), "expanded_row_idx",
+                  cat("length must equal R * K (", R, " * ", K, "); got ", n_idx));
+  } else {
+    v.check_shape(n_idx == R, "expanded_row_idx",
+                  cat("length must equal R (", R, ") when scales are absent (K = 1); got ", n_idx));
+  }
+  const int64_t RK = mul_sat(R, K);
+  int64_t rows;
+  Shape gex_shape;
+  if (mode == 0) {
+    rows = (a.active_num > 0 && a.active_num < RK) ? a.active_num : RK;
+    gex_shape = {rows, H};
+  } else {
+    rows = mul_sat(a.expert_num, a.expert_capacity);
+    v.check_shape(mul_sat(rows, H) < std::numeric_limits<int64_t>::max(), "expert_capacity",
+                  cat("expert_num * expert_capacity * H must fit in int64; got ", a.expert_num,
+                      " * ", a.expert_capacity, " * ", H));
+    gex_shape = {a.expert_num, a.expert_capacity, H};
+  }
+  if (ex_used) {
+    if (mode == 0) {
+      v.dim(*ex_used, "expanded_x", 0, rows, "the expanded row count (R * K or active_num)");
+    } else {
+      v.check_shape(mul_sat(ex_used->shape[0], ex_used->shape[1]) == rows, "expanded_x",
+                    cat("dims 0 and 1 must multiply to expert_num * expert_capacity (", rows,
+                        "); got ", shape_str(*ex_used)));
+    }
+  }
+  if (bias_used) {
     v.check_shape(bias_used->shape[0] >= 1, "bias",
                   cat("dim 0 (E) must be >= 1; got ", bias_used->shape[0]));
     if (mode == 1) v.dim(*bias_used, "bias", 0, a.expert_num, "expert_num");
-    v.dim(*bias_used, "bias", 1, H, "the hidden size H of grad_y");
   }
   const Shape gs_shape = {R, K};
   if (with_outputs) {
@@ -258,14 +281,14 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
       v.shape(*gex, "grad_expanded_x", gex_shape);
     } else {
       v.rank(*gex, "grad_expanded_x", 3);
-      v.check_shape(gex->shape[0] * gex->shape[1] == rows && gex->shape[2] == H,
+      v.check_shape(mul_sat(gex->shape[0], gex->shape[1]) == rows && gex->shape[2] == H,
                     "grad_expanded_x",
                     cat("shape must be [expert_num, expert_capacity, H] = [", a.expert_num, ", ",
                         a.expert_capacity, ", ", H, "]; got ", shape_str(*gex)));
     }
     v.shape(*gs, "grad_scales", gs_shape);
   }
-  check_expanded_row_idx(v, *idx, mode == 1, mode == 1 ? rows : R * K);
+  check_expanded_row_idx(v, *idx, mode == 1, mode == 1 ? rows : RK);
   if (bias_used) check_index_range(v, kErrInnerNullptr, *eidx_used, "expert_idx", 0, bias_used->shape[0]);
 
   p.grad_y = *gy;
@@ -296,6 +319,75 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   }
 #endif
   return p;
+}
+
+uint64_t bias_grad_workspace(int64_t E, int64_t slots) {
+  return static_cast<uint64_t>((E + 1) * 8 + ((slots * 4 + 63) / 64) * 64);
+}
+
+FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
+    const TensorView* gy, const TensorView* eidx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& a, const TensorView* gb, bool with_outputs) {
+  Validator v("moe_finalize_routing_bias_grad", kErrInnerNullptr);
+  FinalizeRoutingBiasGradPlan p;
+  v.present(gy, "grad_y");
+  v.present(eidx, "expert_idx");
+  if (with_outputs) v.present(gb, "grad_bias");
+  v.dtype_in(*gy, "grad_y", kFloatTypes);
+  v.same_dtype(*eidx, "expert_idx", DType::kInt32, "int32");
+  if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
+  if (with_outputs) v.same_dtype(*gb, "grad_bias", gy->dtype, "grad_y's dtype");
+  const Device dev = gy->device;
+  v.layout(*gy, "grad_y", dev);
+  v.layout(*eidx, "expert_idx", dev);
+  optional_layout(v, scales, "scales", dev);
+  if (with_outputs) v.layout(*gb, "grad_bias", dev);
+  v.rank(*gy, "grad_y", 2);
+  const int64_t R = gy->shape[0], H = gy->shape[1];
+  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.rank(*eidx, "expert_idx", 2);
+  v.dim(*eidx, "expert_idx", 0, R, "the token count R of grad_y");
+  const int64_t K = eidx->shape[1];
+  v.check_shape(K >= 1, "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
+  if (scales) v.shape(*scales, "scales", {R, K});
+  v.check_shape(a.expert_num >= 1, "expert_num", cat("must be >= 1; got ", a.expert_num));
+  const int64_t E = a.expert_num;
+  if (with_outputs) v.shape(*gb, "grad_bias", {E, H});
+  check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, E);
+  p.grad_y = *gy;
+  p.expert_idx = *eidx;
+  if (scales) p.scales = *scales;
+  if (with_outputs) p.grad_bias = *gb;
+  p.has_scales = scales != nullptr;
+  p.R = R;
+  p.K = K;
+  p.H = H;
+  p.E = E;
+  p.workspace_bytes = bias_grad_workspace(E, R * K);
+  return p;
+}
+
+void run_plan(const FinalizeRoutingBiasGradPlan& plan, void* workspace, void*) {
+  require_cpu(plan.op, plan.grad_y);
+  finalize_routing_bias_grad_cpu(plan, workspace);
+}
+
+ExecutorPtr plan_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                const TensorView* expert_idx,
+                                                const TensorView* scales,
+                                                const FinalizeRoutingBiasGradAttrs& attrs,
+                                                const TensorView* grad_bias) {
+  return make_executor(
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, grad_bias, true));
+}
+
+std::vector<Shape> infer_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                        const TensorView* expert_idx,
+                                                        const TensorView* scales,
+                                                        const FinalizeRoutingBiasGradAttrs& attrs) {
+  FinalizeRoutingBiasGradPlan p =
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, nullptr, false);
+  return {{p.E, p.H}};
 }
 
 void run_plan(const FinalizeRoutingPlan& plan, void* workspace, void* stream) {

@@ -36,6 +36,17 @@ struct FinalizeRoutingGradPlan {
   bool strict_indices = false;
 };
 
+struct FinalizeRoutingBiasGradPlan {
+  const char* op = "moe_finalize_routing_bias_grad";
+  uint64_t workspace_bytes = 0;  // per-expert slot lists (see bias_grad_workspace)
+  TensorView grad_y, expert_idx, scales, grad_bias;
+  bool has_scales = false;
+  int64_t R = 0, K = 0, H = 0, E = 0;
+};
+
+// Workspace of the bias gradient: E + 1 int64 offsets, then R*K int32 slot numbers.
+uint64_t bias_grad_workspace(int64_t E, int64_t slots);
+
 // k is the Python front's top-k hint, used only without outputs and only when R cannot be read
 // from another tensor (L4).
 FinalizeRoutingPlan validate_finalize_routing(const TensorView* expanded_x,
@@ -46,6 +57,9 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* expanded_x,
                                               const FinalizeRoutingAttrs& attrs,
                                               const TensorView* out, bool with_outputs,
                                               int64_t k);
+FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs, const TensorView* grad_bias, bool with_outputs);
 FinalizeRoutingGradPlan validate_finalize_routing_grad(
     const TensorView* grad_y, const TensorView* expanded_row_idx, const TensorView* expanded_x,
     const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
@@ -54,9 +68,11 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
 
 void run_plan(const FinalizeRoutingPlan& plan, void* workspace, void* stream);
 void run_plan(const FinalizeRoutingGradPlan& plan, void* workspace, void* stream);
+void run_plan(const FinalizeRoutingBiasGradPlan& plan, void* workspace, void* stream);
 
 void finalize_routing_cpu(const FinalizeRoutingPlan& plan);
 void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan);
+void finalize_routing_bias_grad_cpu(const FinalizeRoutingBiasGradPlan& plan, void* workspace);
 
 #ifdef MOEGRAD_WITH_CUDA
 // CUDA launchers (finalize_routing_cuda.cu): stage two on `stream` (a cudaStream_t) with the

@@ -44,4 +44,21 @@ aclnnStatus aclnnMoeFinalizeRoutingV2Grad(void* workspace, uint64_t workspaceSiz
   return stage_two("moe_finalize_routing_grad", workspace, workspaceSize, executor, stream);
 }
 
+aclnnStatus aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* expertIdx, const aclTensor* scalesOptional,
+    int64_t expertNum, const aclTensor* gradBiasOut, uint64_t* workspaceSize,
+    aclOpExecutor** executor) {
+  return stage_one("moe_finalize_routing_bias_grad", workspaceSize, executor, [&] {
+    return plan_moe_finalize_routing_bias_grad(view_of(gradY), view_of(expertIdx),
+                                               view_of(scalesOptional),
+                                               FinalizeRoutingBiasGradAttrs{expertNum},
+                                               view_of(gradBiasOut));
+  });
+}
+
+aclnnStatus aclnnMoeFinalizeRoutingBiasGrad(void* workspace, uint64_t workspaceSize,
+                                            aclOpExecutor* executor, aclrtStream stream) {
+  return stage_two("moe_finalize_routing_bias_grad", workspace, workspaceSize, executor, stream);
+}
+
 }  // extern "C"

@@ -137,7 +137,64 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t
   hwy::FlushStream();
 }
 
+// One tile of grad_bias: expert e, columns [h0, h0 + n). Sums the expert's slots in their
+// slot order (r*K + k), so the bits depend on neither threads nor tiling (D16, D23).
+template <typename T, typename S>
+void bias_grad_tile(const FinalizeRoutingBiasGradPlan& p, const int64_t* offsets,
+                    const int32_t* slots, int64_t e, int64_t h0, int64_t n, float* acc) {
+  const int64_t K = p.K, H = p.H;
+  const T* gy = typed<T>(p.grad_y);
+  const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
+  std::fill(acc, acc + n, 0.0f);
+  for (int64_t q = offsets[e]; q < offsets[e + 1]; ++q) {
+    const int64_t i = slots[q];
+    const float s = scales ? to_f32(scales[i]) : 1.0f;
+    const T* row = gy + (i / K) * H + h0;
+    for (int64_t j = 0; j < n; ++j) acc[j] += s * to_f32(row[j]);
+  }
+  store_chunk(acc, typed<T>(p.grad_bias) + e * H + h0, static_cast<size_t>(n));
+}
+
 }  // namespace
+
+void FinalizeBiasGrad(const FinalizeRoutingBiasGradPlan& p, void* workspace) {
+  // Counting sort of the slots by expert (stable, so each list is in slot order), into the
+  // workspace: offsets[E + 1], then the slot numbers.
+  const int64_t E = p.E, n_slots = p.R * p.K, H = p.H;
+  int64_t* offsets = static_cast<int64_t*>(workspace);
+  int32_t* slots = reinterpret_cast<int32_t*>(offsets + E + 1);
+  const int32_t* eidx = typed<int32_t>(p.expert_idx);
+  std::fill(offsets, offsets + E + 1, int64_t{0});
+  for (int64_t i = 0; i < n_slots; ++i) {
+    const int32_t e = eidx[i];
+    if (e >= 0 && e < E) ++offsets[e + 1];  // invalid device indices are skipped
+  }
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  {
+    std::vector<int64_t> fill(offsets, offsets + E);
+    for (int64_t i = 0; i < n_slots; ++i) {
+      const int32_t e = eidx[i];
+      if (e >= 0 && e < E) slots[fill[e]++] = static_cast<int32_t>(i);
+    }
+  }
+  // Tiles of (expert, column chunk) balance skewed expert loads across threads.
+  const int64_t chunk = static_cast<int64_t>(kChunk);
+  const int64_t n_chunks = (H + chunk - 1) / chunk;
+  const DType sdt = p.has_scales ? p.scales.dtype : p.grad_y.dtype;
+  dispatch_float(p.grad_y.dtype, "grad_y", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_float(sdt, "scales", [&](auto stag) {
+      using S = typename decltype(stag)::type;
+      parallel_for(E * n_chunks, 1, [&](int64_t b, int64_t end) {
+        std::vector<float> acc(static_cast<size_t>(std::min(chunk, H)));
+        for (int64_t t = b; t < end; ++t) {
+          const int64_t e = t / n_chunks, h0 = (t % n_chunks) * chunk;
+          bias_grad_tile<T, S>(p, offsets, slots, e, h0, std::min(chunk, H - h0), acc.data());
+        }
+      });
+    });
+  });
+}
 
 void FinalizeForward(const FinalizeRoutingPlan& p) {
   const DType sdt = p.has_scales ? p.scales.dtype : p.expanded_x.dtype;
@@ -187,12 +244,16 @@ HWY_AFTER_NAMESPACE();
 namespace moegrad {
 HWY_EXPORT(FinalizeForward);
 HWY_EXPORT(FinalizeBackward);
+HWY_EXPORT(FinalizeBiasGrad);
 
 void finalize_routing_cpu(const FinalizeRoutingPlan& plan) {
   HWY_DYNAMIC_DISPATCH(FinalizeForward)(plan);
 }
 void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan) {
   HWY_DYNAMIC_DISPATCH(FinalizeBackward)(plan);
+}
+void finalize_routing_bias_grad_cpu(const FinalizeRoutingBiasGradPlan& plan, void* workspace) {
+  HWY_DYNAMIC_DISPATCH(FinalizeBiasGrad)(plan, workspace);
 }
 }  // namespace moegrad
 #endif  // HWY_ONCE

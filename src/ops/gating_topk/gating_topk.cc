@@ -1,4 +1,4 @@
-// Validation, shape inference and planning of the gating top-k operators (spec §1.6, §2.5).
+// Validation, shape inference and planning of the gating top-k operators (§1.6, §2.5).
 #include "ops/gating_topk/gating_topk.h"
 
 #include <cmath>
@@ -132,18 +132,27 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
     v.layout(*grad_x, "grad_x", dev);
   }
   v.rank(*x_norm, "x_norm", 2);
-  const int64_t M = x_norm->shape[0], N = x_norm->shape[1];
+  v.rank(*grad_y, "grad_y", 2);
+  v.rank(*expert_idx, "expert_idx", 2);
+  const int64_t N = x_norm->shape[1];
   v.check_shape(N >= 2 && N <= kMaxExperts, "x_norm",
                 cat("expert count N (dim 1) must satisfy 2 <= N <= 2048; got ", N));
-  v.rank(*grad_y, "grad_y", 2);
-  v.dim(*grad_y, "grad_y", 0, M, "the token count M of x_norm");
+  // The odd one out is blamed: x_norm with a wrong M is named as x_norm (L50).
+  const int64_t M = v.agree("token count M", {dim_claim(*x_norm, "x_norm", 0),
+                                              dim_claim(*grad_y, "grad_y", 0),
+                                              dim_claim(*expert_idx, "expert_idx", 0)});
   const int64_t K = grad_y->shape[1];
   v.check_shape(K >= 1 && K <= N, "grad_y",
                 cat("top-k K (dim 1) must satisfy 1 <= K <= N (", N, "); got ", K));
-  v.rank(*expert_idx, "expert_idx", 2);
-  v.shape(*expert_idx, "expert_idx", {M, K});
-  v.check_shape(a.norm_type == 1, "norm_type",
-                cat("must be 1 (sigmoid, the only supported mode); got ", a.norm_type));
+  v.agree("top-k K", {dim_claim(*grad_y, "grad_y", 1), dim_claim(*expert_idx, "expert_idx", 1)});
+  // D22: every norm type of the forward; renorm only matters (and is checked) for softmax, the
+  // sigmoid and sqrt-softplus paths always renormalise and ignore it (L20).
+  v.check_shape(a.norm_type >= 0 && a.norm_type <= 2, "norm_type",
+                cat("must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type));
+  if (a.norm_type == 0) {
+    v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm",
+                  cat("must be 0 or 1 with norm_type 0 (softmax); got ", a.renorm));
+  }
   v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
                 cat("must be finite; got ", a.routed_scaling_factor));
   v.check_shape(std::isfinite(a.eps), "eps", cat("must be finite; got ", a.eps));

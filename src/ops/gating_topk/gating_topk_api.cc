@@ -1,4 +1,4 @@
-// extern "C" entry points of MoeGatingTopK and MoeGatingTopKBackward (spec §1.2, §2.2).
+// extern "C" entry points of MoeGatingTopK and MoeGatingTopKBackward (§1.2, §2.2).
 #include "core/acl_api.h"
 
 using namespace moegrad;

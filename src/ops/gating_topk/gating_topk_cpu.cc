@@ -168,21 +168,35 @@ void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
   }
 }
 
+// One row of the backward (§1.5, D22). G = the gradient w.r.t. the normalised scores of the
+// selected experts: the renorm backward of g = rsf * grad_y (sigmoid, sqrt-softplus, softmax with
+// renorm 1) or g itself (softmax without renorm), scattered with repeats summed (D1). Then the
+// chain rule through the normalisation: s(1 - s) (sigmoid), dn/dx (sqrt-softplus) or the softmax
+// Jacobian s_j (G_j - sum_i s_i G_i) over all N columns.
 template <typename T>
 void BackwardRows(const GatingTopKBackwardPlan& p, int64_t begin, int64_t end) {
+  const DF d;
   const int64_t N = p.N, K = p.K;
+  const int64_t norm_type = p.attrs.norm_type;
+  const bool renorm = norm_type != 0 || p.attrs.renorm == 1;
   const float rsf = static_cast<float>(p.attrs.routed_scaling_factor);
   const float eps = static_cast<float>(p.attrs.eps);
   const float* xn = typed<float>(p.x_norm);
   const T* gy = typed<T>(p.grad_y);
   const int32_t* idx = typed<int32_t>(p.expert_idx);
   T* gx = typed<T>(p.grad_x);
-  std::vector<float> G(N), gs(K), w(K);
+  const size_t np = padded(static_cast<size_t>(N));
+  auto buf = hwy::AllocateAligned<float>(3 * np);
+  std::fill(buf.get(), buf.get() + 3 * np, 0.0f);
+  float* G = buf.get();
+  float* xrow = G + np;
+  float* out = xrow + np;
+  std::vector<float> gs(K), w(K), gp(K);
 
   for (int64_t r = begin; r < end; ++r) {
     const float* xr = xn + r * N;
     const int32_t* er = idx + r * K;
-    std::fill(G.begin(), G.end(), 0.0f);
+    std::fill(G, G + N, 0.0f);
     float sum = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = er[k];
@@ -191,15 +205,34 @@ void BackwardRows(const GatingTopKBackwardPlan& p, int64_t begin, int64_t end) {
       gs[k] = rsf * to_f32(gy[r * K + k]);
       sum += w[k];
     }
-    const float denom = eps + sum;
-    float beta = 0.0f;
-    for (int64_t k = 0; k < K; ++k) beta += (w[k] / denom) * gs[k];
+    if (renorm) {
+      const float denom = eps + sum;
+      float beta = 0.0f;
+      for (int64_t k = 0; k < K; ++k) beta += (w[k] / denom) * gs[k];
+      for (int64_t k = 0; k < K; ++k) gp[k] = (gs[k] - beta) / denom;
+    } else {
+      for (int64_t k = 0; k < K; ++k) gp[k] = gs[k];
+    }
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = er[k];
-      if (e >= 0 && e < N) G[e] += (gs[k] - beta) / denom;  // scatter-add (D1)
+      if (e >= 0 && e < N) G[e] += gp[k];  // scatter-add (D1)
     }
-    T* out = gx + r * N;
-    for (int64_t j = 0; j < N; ++j) out[j] = from_f32<T>(xr[j] * (1.0f - xr[j]) * G[j]);
+    T* o = gx + r * N;
+    if (norm_type == 1) {
+      for (int64_t j = 0; j < N; ++j) o[j] = from_f32<T>(xr[j] * (1.0f - xr[j]) * G[j]);
+    } else if (norm_type == 0) {
+      // sum_j s_j G_j = sum_k s_{e_k} g'_k (G is the scatter of g'), in slot order.
+      float dot = 0.0f;
+      for (int64_t k = 0; k < K; ++k) dot += w[k] * gp[k];
+      for (int64_t j = 0; j < N; ++j) o[j] = from_f32<T>(xr[j] * (G[j] - dot));
+    } else {
+      std::memcpy(xrow, xr, sizeof(float) * N);
+      for (size_t j = 0; j < np; j += hn::Lanes(d)) {
+        const VF dn = SqrtSoftplusGrad(d, hn::Load(d, xrow + j));
+        hn::Store(hn::Mul(dn, hn::Load(d, G + j)), d, out + j);
+      }
+      store_chunk(out, o, static_cast<size_t>(N));
+    }
   }
 }
 

@@ -2,8 +2,9 @@
 // Forward: one warp per token; the normalised row and the selection scores live in shared
 // memory; top-k is k rounds of a warp-wide max over packed (score, index) keys (L2), so the
 // result is deterministic and ties go to the lower index (D13); group-limited selection reuses
-// the same rounds per group and over the groups. Backward: one warp per token; only the K
-// selected x_norm entries are read and the row of grad_x is written once (L42).
+// the same rounds per group and over the groups. Backward (all three norm types, D22): one warp
+// per token; sigmoid and sqrt-softplus read only the K selected x_norm entries, softmax the row
+// (its Jacobian touches every column); the row of grad_x is written once (L42).
 #include "core/cuda_backend.h"
 #include "core/cuda_common.cuh"
 #include "ops/gating_topk/gating_topk.h"
@@ -182,9 +183,18 @@ struct BwdParams {
   const int32_t* idx;
   void* grad_x;
   int64_t M;
-  int N, K;
+  int N, K, norm_type;
+  bool renorm;
   float rsf, eps;
 };
+
+// d sqrt(softplus(x)) / dx expressed through n = sqrt(softplus(x)): (1 - e^-n^2) / (2n), its
+// series n/2 near 0; NaN propagates (the CPU's SqrtSoftplusGrad).
+__device__ __forceinline__ float sqrt_softplus_grad(float n) {
+  const float num = -expm1f(-(n * n));
+  const float r = fabsf(n) < 1e-4f ? n * 0.5f : (num * 0.5f) / n;
+  return isnan(n) ? n : r;
+}
 
 template <typename T>
 __global__ void gating_bwd_kernel(BwdParams p) {
@@ -218,35 +228,48 @@ __global__ void gating_bwd_kernel(BwdParams p) {
       const int n = K - k0 < 32 ? K - k0 : 32;
       for (int t = 0; t < n; ++t) sum += __shfl_sync(0xffffffffu, w, t);
     }
+    // g' = the renormalisation backward of g (sigmoid, sqrt-softplus, softmax with renorm) or
+    // g itself (softmax without renorm), as the CPU (D22).
     const float denom = p.eps + sum;
     float beta = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += 32) {
-      int32_t e;
-      float w, g;
-      load(k0, e, w, g);
-      const int n = K - k0 < 32 ? K - k0 : 32;
-      for (int t = 0; t < n; ++t) {
-        beta += (__shfl_sync(0xffffffffu, w, t) / denom) * __shfl_sync(0xffffffffu, g, t);
+    if (p.renorm) {
+      for (int k0 = 0; k0 < K; k0 += 32) {
+        int32_t e;
+        float w, g;
+        load(k0, e, w, g);
+        const int n = K - k0 < 32 ? K - k0 : 32;
+        for (int t = 0; t < n; ++t) {
+          beta += (__shfl_sync(0xffffffffu, w, t) / denom) * __shfl_sync(0xffffffffu, g, t);
+        }
       }
     }
     __syncwarp();
+    float dot = 0.0f;  // sum_k w_k g'_k in slot order (softmax Jacobian)
     for (int k0 = 0; k0 < K; k0 += 32) {
       int32_t e;
       float w, g;
       load(k0, e, w, g);
+      const float gp = p.renorm ? (g - beta) / denom : g;
       const int n = K - k0 < 32 ? K - k0 : 32;
       for (int t = 0; t < n; ++t) {
         const int32_t et = __shfl_sync(0xffffffffu, e, t);
-        const float wt = __shfl_sync(0xffffffffu, w, t), gt = __shfl_sync(0xffffffffu, g, t);
+        const float wt = __shfl_sync(0xffffffffu, w, t), gt = __shfl_sync(0xffffffffu, gp, t);
+        dot += wt * gt;
         if (lane == 0 && et >= 0 && et < N) {
-          sg[et] += (gt - beta) / denom;  // repeats are summed in k order (D1)
+          sg[et] += gt;  // repeats are summed in k order (D1)
           sx[et] = wt;
         }
       }
     }
     __syncwarp();
     T* out = static_cast<T*>(p.grad_x) + r * N;
-    for (int j = lane; j < N; j += 32) st(out + j, sx[j] * (1.0f - sx[j]) * sg[j]);
+    if (p.norm_type == 1) {  // selected entries only; +0 elsewhere (L42)
+      for (int j = lane; j < N; j += 32) st(out + j, sx[j] * (1.0f - sx[j]) * sg[j]);
+    } else if (p.norm_type == 2) {
+      for (int j = lane; j < N; j += 32) st(out + j, sqrt_softplus_grad(sx[j]) * sg[j]);
+    } else {  // the softmax Jacobian touches every column: the whole row is read
+      for (int j = lane; j < N; j += 32) st(out + j, xr[j] * (sg[j] - dot));
+    }
     __syncwarp();
   }
 }
@@ -332,6 +355,8 @@ void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, void* worksp
   p.M = plan.M;
   p.N = static_cast<int>(plan.N);
   p.K = static_cast<int>(plan.K);
+  p.norm_type = static_cast<int>(plan.attrs.norm_type);
+  p.renorm = plan.attrs.norm_type != 0 || plan.attrs.renorm == 1;
   p.rsf = static_cast<float>(plan.attrs.routed_scaling_factor);
   p.eps = static_cast<float>(plan.attrs.eps);
   const int wpb = warps_for(2 * p.N * 4);

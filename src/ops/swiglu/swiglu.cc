@@ -1,4 +1,4 @@
-// Validation, shape inference and planning of the SwiGLU operators (spec §5.6, D9, D11).
+// Validation, shape inference and planning of the SwiGLU operators (§5.6, D9, D11).
 #include "ops/swiglu/swiglu.h"
 
 #include <algorithm>
@@ -28,7 +28,10 @@ float check_clamp(const Validator& v, double clamp_limit) {
 // Leading-dim product T of a [..., D] tensor.
 int64_t leading(const TensorView& t) {
   int64_t n = 1;
-  for (int i = 0; i + 1 < t.ndim; ++i) n *= t.shape[i];
+  for (int i = 0; i + 1 < t.ndim; ++i) {
+    if (t.shape[i] == 0) return 0;
+  }
+  for (int i = 0; i + 1 < t.ndim; ++i) n = mul_sat(n, t.shape[i]);
   return n;
 }
 
@@ -55,16 +58,14 @@ Shape half_last(const TensorView& x) {
 
 int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, int64_t T) {
   if (!has_group_index) return T;
-  // Host tensors are summed here; the CUDA path sums on the device. Partial sums saturate so
-  // huge counts cannot overflow; negative entries count (L8).
-  constexpr int64_t kCap = int64_t{1} << 62;
+  // Host tensors are summed here; the CUDA path sums on the device. The sum is exact (128-bit:
+  // no int64 element count can overflow it), then clamped to [0, T], so garbage or huge counts
+  // can neither overflow nor wrap around to a small or negative total (L8, L52).
   const int64_t* g = static_cast<const int64_t*>(group_index->data);
-  int64_t sum = 0;
-  for (int64_t i = 0; i < group_index->numel(); ++i) {
-    const int64_t v = std::max(-kCap, std::min(kCap, g[i]));
-    sum = std::max(-kCap, std::min(kCap, sum + v));
-  }
-  return std::max<int64_t>(0, std::min(sum, T));
+  __int128 sum = 0;
+  for (int64_t i = 0; i < group_index->numel(); ++i) sum += g[i];
+  if (sum <= 0) return 0;
+  return sum >= static_cast<__int128>(T) ? T : static_cast<int64_t>(sum);
 }
 
 SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
@@ -149,14 +150,26 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   p.clamp = check_clamp(v, a.clamp_limit);
   v.rank_in(*x, "x", 1, kMaxRank);
   v.rank_in(*gy, "grad_y", 1, kMaxRank);
-  v.check_shape(gy->ndim == x->ndim, "grad_y",
-                cat("rank must equal x's rank (", x->ndim, "); got ", gy->ndim));
+  if (y_origin) v.rank_in(*y_origin, "y_origin", 1, kMaxRank);
   const int64_t D = x->shape[x->ndim - 1];
   v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
-  for (int i = 0; i + 1 < x->ndim; ++i) {
-    v.dim(*gy, "grad_y", i, x->shape[i], cat("x's dim ", i));
+  // Rank, leading dims and H: where grad_y, x and y_origin disagree, the odd one out is named
+  // (L50); x's last dim counts as 2H.
+  auto rank_claim = [](const TensorView& t, const char* arg) {
+    return Claim{arg, t.ndim, cat("rank of ", shape_str(t))};
+  };
+  std::vector<Claim> rank_claims{rank_claim(*gy, "grad_y"), rank_claim(*x, "x")};
+  if (y_origin) rank_claims.push_back(rank_claim(*y_origin, "y_origin"));
+  const int64_t rank = v.agree("rank", rank_claims);
+  for (int i = 0; i + 1 < rank; ++i) {
+    std::vector<Claim> c{dim_claim(*gy, "grad_y", i), dim_claim(*x, "x", i)};
+    if (y_origin) c.push_back(dim_claim(*y_origin, "y_origin", i));
+    v.agree(cat("leading dim ", i), c);
   }
-  v.dim(*gy, "grad_y", gy->ndim - 1, D / 2, "half of x's last dim (H)");
+  std::vector<Claim> h_claims{dim_claim(*gy, "grad_y", -1),
+                              Claim{"x", D / 2, cat("half of dim ", x->ndim - 1, " of ", shape_str(*x))}};
+  if (y_origin) h_claims.push_back(dim_claim(*y_origin, "y_origin", -1));
+  v.agree("hidden size H", h_claims);
   const int64_t T = leading(*x);
   if (weight) {
     check_weight(v, *weight, T);

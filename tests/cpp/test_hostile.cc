@@ -1,0 +1,277 @@
+// Hostile input through the C API (docs/decisions.md L50-L53): overflowing sizes and counts,
+// errors that must name the argument that is actually wrong, attributes outside their range,
+// and dtype messages that name the dtype seen once.
+#include <cstdint>
+#include <limits>
+
+#include "test_util.h"
+
+using namespace mgt;
+
+namespace {
+
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
+constexpr int64_t kI64Min = std::numeric_limits<int64_t>::min();
+
+// Stage one of a call that must fail: the status, the argument named first in the message
+// ("<op>: <arg>: ..."), and no executor.
+void expect_fails(aclnnStatus st, aclOpExecutor* ex, aclnnStatus code, const std::string& arg) {
+  const std::string msg = aclGetRecentErrMsg();
+  EXPECT_EQ(st, code) << msg;
+  const size_t colon = msg.find(": ");
+  ASSERT_NE(colon, std::string::npos) << msg;
+  const size_t colon2 = msg.find(": ", colon + 2);
+  ASSERT_NE(colon2, std::string::npos) << msg;
+  EXPECT_EQ(msg.substr(colon + 2, colon2 - colon - 2), arg) << "blamed the wrong argument: " << msg;
+  EXPECT_EQ(ex, nullptr);
+}
+
+// ---- the wrong argument is named (L50) ----
+
+TEST(Blame, GatingBackwardNamesXNormWhenItsTokenCountIsTheOddOneOut) {
+  Tensor x_norm({5, 8}, ACL_FLOAT), grad_y({4, 2}, ACL_FLOAT), idx({4, 2}, ACL_INT32),
+      out({4, 8}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  aclnnStatus st = aclnnMoeGatingTopKBackwardGetWorkspaceSize(
+      x_norm.handle(), grad_y.handle(), idx.handle(), 0, 1, 1.0, 1e-20, out.handle(), &ws, &ex);
+  expect_fails(st, ex, ACLNN_ERR_PARAM_INVALID, "x_norm");
+  EXPECT_TRUE(has_word(aclGetRecentErrMsg(), "5")) << aclGetRecentErrMsg();
+}
+
+TEST(Blame, GatingBackwardNamesExpertIdxOrGradYForTheirOwnDims) {
+  Tensor x_norm({4, 8}, ACL_FLOAT), grad_y({4, 2}, ACL_FLOAT), idx({3, 2}, ACL_INT32),
+      out({4, 8}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  aclnnStatus st = aclnnMoeGatingTopKBackwardGetWorkspaceSize(
+      x_norm.handle(), grad_y.handle(), idx.handle(), 0, 1, 1.0, 1e-20, out.handle(), &ws, &ex);
+  expect_fails(st, ex, ACLNN_ERR_PARAM_INVALID, "expert_idx");
+  Tensor gy2({3, 2}, ACL_FLOAT), idx2({4, 2}, ACL_INT32);
+  st = aclnnMoeGatingTopKBackwardGetWorkspaceSize(x_norm.handle(), gy2.handle(), idx2.handle(), 0,
+                                                  1, 1.0, 1e-20, out.handle(), &ws, &ex);
+  expect_fails(st, ex, ACLNN_ERR_PARAM_INVALID, "grad_y");
+}
+
+struct Finalize {
+  int64_t R = 3, K = 2, H = 4, E = 3;
+  Tensor ex{{6, 4}, ACL_FLOAT}, idx, x1{{3, 4}, ACL_FLOAT}, scales{{3, 2}, ACL_FLOAT},
+      eidx{{3, 2}, ACL_INT32}, bias{{3, 4}, ACL_FLOAT}, out{{3, 4}, ACL_FLOAT};
+  Finalize() : idx(Tensor::from_i32({6}, {0, 1, 2, 3, 4, 5})) {}
+  aclnnStatus call(aclOpExecutor** e) {
+    uint64_t ws = 0;
+    return aclnnMoeFinalizeRoutingV2GetWorkspaceSize(ex.handle(), idx.handle(), x1.handle(),
+                                                     nullptr, bias.handle(), scales.handle(),
+                                                     eidx.handle(), 0, out.handle(), &ws, e);
+  }
+};
+
+TEST(Blame, FinalizeForwardNamesOutWhenOnlyOutHasAnotherTokenCount) {
+  Finalize f;
+  f.out = Tensor({2, 4}, ACL_FLOAT);
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "out");
+}
+
+TEST(Blame, FinalizeForwardNamesScalesWhenTheOthersAgree) {
+  Finalize f;
+  f.scales = Tensor({2, 2}, ACL_FLOAT);
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "scales");
+}
+
+TEST(Blame, FinalizeForwardNamesX1ForAWrongHiddenSize) {
+  Finalize f;
+  f.x1 = Tensor({3, 5}, ACL_FLOAT);
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "x1");
+}
+
+TEST(Blame, FinalizeForwardWithoutScalesNamesTheIndexNotAnAbsentExpertIdx) {
+  // Only the index and out: R = 3 from out, an empty index gives K = 0.
+  Finalize f;
+  f.idx = Tensor({0}, ACL_INT32);
+  f.x1 = Tensor();
+  f.scales = Tensor();
+  f.eidx = Tensor();
+  f.bias = Tensor();
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "expanded_row_idx");
+}
+
+struct FinalizeGrad {
+  Tensor gy{{3, 4}, ACL_FLOAT}, idx, ex{{6, 4}, ACL_FLOAT}, scales{{3, 2}, ACL_FLOAT},
+      eidx{{3, 2}, ACL_INT32}, bias{{3, 4}, ACL_FLOAT}, gex{{6, 4}, ACL_FLOAT},
+      gs{{3, 2}, ACL_FLOAT};
+  int64_t mode = 0, active = 0, E = 0, C = 0;
+  FinalizeGrad() : idx(Tensor::from_i32({6}, {0, 1, 2, 3, 4, 5})) {}
+  aclnnStatus call(aclOpExecutor** e) {
+    uint64_t ws = 0;
+    return aclnnMoeFinalizeRoutingV2GradGetWorkspaceSize(
+        gy.handle(), idx.handle(), ex.handle(), scales.handle(), eidx.handle(), bias.handle(),
+        mode, active, E, C, gex.handle(), gs.handle(), &ws, e);
+  }
+};
+
+TEST(Blame, FinalizeGradNamesGradYWhenScalesAndExpertIdxAgree) {
+  FinalizeGrad f;
+  f.gy = Tensor({2, 4}, ACL_FLOAT);
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "grad_y");
+}
+
+TEST(Blame, FinalizeGradNamesGradYForAWrongHiddenSize) {
+  FinalizeGrad f;
+  f.gy = Tensor({3, 5}, ACL_FLOAT);
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "grad_y");
+}
+
+TEST(Blame, FinalizeGradNamesExpertIdxForAWrongTopK) {
+  FinalizeGrad f;
+  f.eidx = Tensor({3, 3}, ACL_INT32);
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "expert_idx");
+}
+
+TEST(Blame, SwigluGradNamesXWhenGradYAndYOriginAgree) {
+  Tensor gy({4, 3}, ACL_FLOAT), x({5, 6}, ACL_FLOAT), w({4}, ACL_FLOAT), yo({4, 3}, ACL_FLOAT),
+      gx({5, 6}, ACL_FLOAT), gw({4}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  aclnnStatus st = aclnnSwigluGroupQuantGradGetWorkspaceSize(
+      gy.handle(), x.handle(), w.handle(), yo.handle(), nullptr, -1.0, gx.handle(), gw.handle(),
+      &ws, &ex);
+  expect_fails(st, ex, ACLNN_ERR_INNER_TILING_ERROR, "x");
+  // x's last dim is 2H: a grad_y whose H disagrees with x and y_origin is named.
+  Tensor gy2({4, 2}, ACL_FLOAT), x2({4, 6}, ACL_FLOAT), gx2({4, 6}, ACL_FLOAT);
+  st = aclnnSwigluGroupQuantGradGetWorkspaceSize(gy2.handle(), x2.handle(), w.handle(),
+                                                 yo.handle(), nullptr, -1.0, gx2.handle(),
+                                                 gw.handle(), &ws, &ex);
+  expect_fails(st, ex, ACLNN_ERR_INNER_TILING_ERROR, "grad_y");
+}
+
+// ---- attributes outside their range (L51) ----
+
+TEST(Attributes, FinalizeGradRejectsNegativeActiveNum) {
+  FinalizeGrad f;
+  f.active = -1;
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "active_num");
+}
+
+TEST(Attributes, FinalizeGradHugeCapacityIsAnErrorNotAnOverflow) {
+  FinalizeGrad f;
+  f.mode = 1;
+  f.E = int64_t{1} << 40;
+  f.C = int64_t{1} << 40;  // E * C = 2^80 does not fit in int64
+  f.idx = Tensor::from_i32({6}, {0, 1, 2, 3, 4, -1});
+  f.ex = Tensor({1, 6, 4}, ACL_FLOAT);
+  f.gex = Tensor({1, 6, 4}, ACL_FLOAT);
+  f.bias = Tensor();
+  aclOpExecutor* ex = nullptr;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "expert_capacity");
+  f.E = kI64Max;
+  f.C = kI64Max;
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "expert_capacity");
+}
+
+// ---- overflowing sizes and counts (L52) ----
+
+TEST(Overflow, CreateTensorRefusesAByteSizeThatDoesNotFitInInt64) {
+  const int64_t dims[2] = {int64_t{1} << 40, int64_t{1} << 40};
+  aclTensor* t = aclCreateTensor(dims, 2, ACL_FLOAT, nullptr, 0, ACL_FORMAT_ND, dims, 2, nullptr);
+  EXPECT_EQ(t, nullptr);
+  EXPECT_TRUE(has_word(aclGetRecentErrMsg(), "viewDims")) << aclGetRecentErrMsg();
+  const int64_t dims1[1] = {kI64Max / 2};  // fits as a count, not as float32 bytes
+  t = aclCreateTensor(dims1, 1, ACL_FLOAT, nullptr, 0, ACL_FORMAT_ND, dims1, 1, nullptr);
+  EXPECT_EQ(t, nullptr);
+  const int64_t one = 1;
+  t = aclCreateTensor(&one, 1, ACL_FLOAT, nullptr, kI64Max / 2, ACL_FORMAT_ND, &one, 1, nullptr);
+  EXPECT_EQ(t, nullptr);
+  EXPECT_TRUE(has_word(aclGetRecentErrMsg(), "offset")) << aclGetRecentErrMsg();
+}
+
+TEST(Overflow, ZeroSizedTensorsWithHugeDimsAreEmptyNotOverflowing) {
+  // [2^40, 2^40, 0, 2]: no element, but the product of the first two dims overflows int64.
+  Tensor x({int64_t{1} << 40, int64_t{1} << 40, 0, 2}, ACL_FLOAT);
+  Tensor y({int64_t{1} << 40, int64_t{1} << 40, 0, 1}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  ASSERT_EQ(aclnnSwigluGroupGetWorkspaceSize(x.handle(), nullptr, nullptr, -1.0, y.handle(), &ws,
+                                             &ex),
+            ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+  EXPECT_EQ(aclnnSwigluGroup(nullptr, 0, ex, nullptr), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+}
+
+// SwiGLU forward rows kept for a group_index: the sum is exact, then clamped to [0, T].
+int64_t rows_kept(const std::vector<int64_t>& counts, int64_t T = 6) {
+  const int64_t H = 3;
+  std::vector<double> xs(static_cast<size_t>(T * 2 * H), 1.0);
+  Tensor x = Tensor::from({T, 2 * H}, ACL_FLOAT, xs);
+  Tensor gi = Tensor::from_i64({static_cast<int64_t>(counts.size())}, counts);
+  Tensor y({T, H}, ACL_FLOAT);
+  y.poison();
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  EXPECT_EQ(aclnnSwigluGroupGetWorkspaceSize(x.handle(), nullptr, gi.handle(), -1.0, y.handle(),
+                                             &ws, &ex),
+            ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+  EXPECT_EQ(aclnnSwigluGroup(nullptr, 0, ex, nullptr), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+  int64_t kept = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const bool zero = y.get(t * H) == 0.0;
+    if (!zero) kept = t + 1;
+    for (int64_t h = 0; h < H; ++h) {
+      EXPECT_EQ(y.get(t * H + h) == 0.0, zero) << "row " << t << " partly written";
+    }
+  }
+  return kept;
+}
+
+TEST(Overflow, GroupIndexSumsAreExactAndNeverWrap) {
+  EXPECT_EQ(rows_kept({2, 1}), 3);
+  EXPECT_EQ(rows_kept({kI64Max, kI64Max}), 6);        // would wrap to -2 in int64
+  EXPECT_EQ(rows_kept({kI64Max, 1}), 6);              // would wrap to INT64_MIN
+  EXPECT_EQ(rows_kept({kI64Min, 5}), 0);              // negative total: nothing kept
+  EXPECT_EQ(rows_kept({kI64Min, kI64Min, 4}), 0);     // would wrap to 4
+  EXPECT_EQ(rows_kept({kI64Max, kI64Max, kI64Min, kI64Min, 4}), 2);  // exact: -2 + 4
+  EXPECT_EQ(rows_kept({int64_t{1} << 62, int64_t{1} << 62, -(int64_t{1} << 62),
+                       -(int64_t{1} << 62), 3}),
+            3);
+}
+
+// ---- dtype messages (L53) ----
+
+TEST(DtypeMessages, NameTheDtypeSeenAndTheAcceptedOnesOnce) {
+  Tensor x_norm({4, 8}, ACL_FLOAT), grad_y({4, 2}, ACL_FLOAT), idx({4, 2}, ACL_INT64),
+      out({4, 8}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  aclnnStatus st = aclnnMoeGatingTopKBackwardGetWorkspaceSize(
+      x_norm.handle(), grad_y.handle(), idx.handle(), 0, 1, 1.0, 1e-20, out.handle(), &ws, &ex);
+  expect_fails(st, ex, ACLNN_ERR_PARAM_INVALID, "expert_idx");
+  std::string msg = aclGetRecentErrMsg();
+  EXPECT_NE(msg.find("must be int32; got int64"), std::string::npos) << msg;
+  // A dtype no operator takes is still named.
+  Tensor gy_double({4, 2}, ACL_DOUBLE), idx32({4, 2}, ACL_INT32);
+  st = aclnnMoeGatingTopKBackwardGetWorkspaceSize(x_norm.handle(), gy_double.handle(),
+                                                  idx32.handle(), 0, 1, 1.0, 1e-20, out.handle(),
+                                                  &ws, &ex);
+  expect_fails(st, ex, ACLNN_ERR_PARAM_INVALID, "grad_y");
+  msg = aclGetRecentErrMsg();
+  EXPECT_TRUE(has_word(msg, "float64")) << msg;
+  for (const char* name : {"float32", "float16", "bfloat16"}) {
+    const size_t first = msg.find(name);
+    EXPECT_NE(first, std::string::npos) << msg;
+    EXPECT_EQ(msg.find(std::string(name) + ",", first + 1), std::string::npos) << msg;
+  }
+  Tensor gy_i8({4, 2}, ACL_INT8);
+  st = aclnnMoeGatingTopKBackwardGetWorkspaceSize(x_norm.handle(), gy_i8.handle(), idx32.handle(),
+                                                  0, 1, 1.0, 1e-20, out.handle(), &ws, &ex);
+  EXPECT_TRUE(has_word(aclGetRecentErrMsg(), "int8")) << aclGetRecentErrMsg();
+}
+
+}  // namespace

@@ -1,0 +1,163 @@
+"""Hostile input through the Python front (docs/decisions.md L50-L53).
+
+Errors name the argument that is actually wrong (the odd one out when several tensors carry the
+same size), attributes that contradict a tensor or lie outside their range are errors (finalize
+routing's ``k``), count sums never overflow or wrap (SwiGLU ``group_index``), and dtype messages
+name the dtype seen and the accepted ones once each.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import moegrad
+
+I64_MAX, I64_MIN = 2**63 - 1, -(2**63)
+FINALIZE, TILING, PARAM_INVALID = 561103, 561002, 161002
+
+
+def _blamed(err: moegrad.MoeError) -> str:
+    """The argument a message blames: "<op>: <argument>: <rule>; got <value>"."""
+    parts = str(err).split(": ")
+    assert len(parts) >= 3, str(err)
+    return parts[1]
+
+
+def _raises(code, arg, fn, *args, **kw):
+    with pytest.raises(moegrad.MoeError) as info:
+        fn(*args, **kw)
+    assert info.value.code == code, str(info.value)
+    assert _blamed(info.value) == arg, f"blamed the wrong argument: {info.value}"
+    return str(info.value)
+
+
+def _finalize_inputs(R=3, K=2, H=4, E=3):
+    g = torch.Generator().manual_seed(5)
+    return dict(expanded_x=torch.randn(R * K, H, generator=g),
+                expanded_row_idx=torch.randperm(R * K, generator=g).to(torch.int32),
+                x1=torch.randn(R, H, generator=g),
+                scales=torch.rand(R, K, generator=g),
+                expert_idx=torch.randint(0, E, (R, K), generator=g, dtype=torch.int32),
+                bias=torch.randn(E, H, generator=g))
+
+
+# ---- finalize routing's k (L51) ----
+
+@pytest.mark.parametrize("k", [0, -1, -(2**40)])
+def test_finalize_k_below_one_is_an_error_even_when_unused(k):
+    _raises(FINALIZE, "k", moegrad.moe_finalize_routing, **_finalize_inputs(), k=k)
+
+
+@pytest.mark.parametrize("k", [3, 6])
+def test_finalize_k_contradicting_scales_is_an_error(k):
+    msg = _raises(FINALIZE, "k", moegrad.moe_finalize_routing, **_finalize_inputs(), k=k)
+    assert re.search(rf"got {k}\b", msg), msg
+
+
+def test_finalize_k_contradicting_x1_rows_is_an_error():
+    a = _finalize_inputs()
+    for name in ("scales", "expert_idx", "bias"):
+        a[name] = None
+    # len(idx) = 6 with 3 rows of x1 gives K = 2; k = 3 contradicts it.
+    _raises(FINALIZE, "k", moegrad.moe_finalize_routing, **a, k=3)
+
+
+def test_finalize_k_matching_or_default_is_accepted():
+    a = _finalize_inputs()
+    y_default = moegrad.moe_finalize_routing(**a)
+    y_k2 = moegrad.moe_finalize_routing(**a, k=2)
+    assert torch.equal(y_default, y_k2)
+
+
+# ---- the odd one out is named (L50) ----
+
+def test_finalize_forward_names_the_tensor_with_the_odd_token_count():
+    a = _finalize_inputs()
+    a["scales"] = a["scales"][:2]
+    _raises(FINALIZE, "scales", moegrad.moe_finalize_routing, **a)
+    a = _finalize_inputs()
+    a["x1"] = a["x1"][:, :3]
+    _raises(FINALIZE, "x1", moegrad.moe_finalize_routing, **a)
+
+
+def test_finalize_grad_names_grad_y_when_scales_and_expert_idx_agree():
+    a = _finalize_inputs()
+    gy = torch.randn(2, 4)
+    _raises(FINALIZE, "grad_y", moegrad.moe_finalize_routing_grad, gy,
+            a["expanded_row_idx"], a["expanded_x"], a["scales"], a["expert_idx"], a["bias"])
+
+
+def test_gating_backward_names_x_norm_when_grad_y_and_expert_idx_agree():
+    x_norm = torch.rand(5, 8)
+    gy = torch.randn(4, 2)
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
+    _raises(PARAM_INVALID, "x_norm", moegrad.moe_gating_top_k_backward, x_norm, gy, idx)
+
+
+def test_swiglu_backward_names_x_when_grad_y_and_y_origin_agree():
+    gy, yo = torch.randn(4, 3), torch.randn(4, 3)
+    x, w = torch.randn(5, 6), torch.rand(4)
+    _raises(TILING, "x", moegrad.swiglu_group_quant_backward, gy, x, w, yo)
+    # rank: grad_y and y_origin of rank 3, x of rank 2
+    _raises(TILING, "x", moegrad.swiglu_group_quant_backward, gy.reshape(2, 2, 3),
+            torch.randn(4, 6), w, yo.reshape(2, 2, 3))
+
+
+# ---- counts never overflow (L52) ----
+
+@pytest.mark.parametrize("counts, kept", [
+    ([2, 1], 3),
+    ([I64_MAX, I64_MAX], 6),                       # int64 would wrap to -2
+    ([I64_MAX, 1], 6),                             # int64 would wrap to INT64_MIN
+    ([I64_MIN, 5], 0),
+    ([I64_MIN, I64_MIN, 4], 0),                    # int64 would wrap to 4
+    ([I64_MAX, I64_MAX, I64_MIN, I64_MIN, 4], 2),  # exact: -2 + 4
+], ids=["small", "max+max", "max+1", "min+5", "min+min+4", "exact"])
+def test_group_index_sum_is_exact(counts, kept):
+    T, H = 6, 3
+    x = torch.randn(T, 2 * H, generator=torch.Generator().manual_seed(1)) + 3.0
+    gi = torch.tensor(counts, dtype=torch.int64)
+    y = moegrad.swiglu_group(x, group_index=gi)
+    full = moegrad.swiglu_group(x)
+    assert torch.equal(y[:kept], full[:kept])
+    assert torch.all(y[kept:] == 0)
+    gy = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    gx, _ = moegrad.swiglu_group_quant_backward(gy, x, group_index=gi)
+    gx_full, _ = moegrad.swiglu_group_quant_backward(gy, x)
+    assert torch.equal(gx[:kept], gx_full[:kept])
+    assert torch.all(gx[kept:] == 0)
+
+
+def test_finalize_grad_huge_capacity_is_an_error_not_an_overflow():
+    gy = torch.randn(3, 4)
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32)
+    _raises(FINALIZE, "expert_capacity", moegrad.moe_finalize_routing_grad, gy, idx,
+            drop_pad_mode=1, expert_num=2**40, expert_capacity=2**40)
+    _raises(FINALIZE, "active_num", moegrad.moe_finalize_routing_grad, gy, idx, active_num=-1)
+
+
+# ---- dtype messages (L53) ----
+
+@pytest.mark.parametrize("dtype, name", [(torch.float64, "float64"), (torch.int8, "int8"),
+                                         (torch.int16, "int16"), (torch.uint8, "uint8"),
+                                         (torch.bool, "bool"), (torch.complex64, "complex64")])
+def test_dtype_messages_name_the_dtype_seen(dtype, name):
+    x = torch.zeros(4, 8, dtype=dtype)
+    msg = _raises(PARAM_INVALID, "x", moegrad.swiglu_group, x)
+    assert re.search(rf"got {name}\b", msg), msg
+    for accepted in ("float32", "float16", "bfloat16"):
+        assert len(re.findall(rf"\b{accepted}\b", msg)) == 1, msg
+
+
+def test_same_dtype_messages_do_not_repeat_the_name():
+    x_norm, gy = torch.rand(4, 8), torch.randn(4, 2)
+    # int16 indices are not converted (only int64 is, D20)
+    idx = torch.zeros(4, 2, dtype=torch.int16)
+    msg = _raises(PARAM_INVALID, "expert_idx", moegrad.moe_gating_top_k_backward, x_norm, gy, idx)
+    assert "must be int32; got int16" in msg, msg
+    msg = _raises(PARAM_INVALID, "x_norm", moegrad.moe_gating_top_k_backward,
+                  x_norm.double(), gy, idx.int())
+    assert "must be float32; got float64" in msg, msg
