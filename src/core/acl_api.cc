@@ -1,5 +1,8 @@
 // Tensor handles, executor registry and error slot of the C API.
 #include "core/acl_api.h"
+#ifdef MOEGRAD_WITH_CUDA
+#include "core/cuda_backend.h"
+#endif
 
 #include <limits>
 #include <mutex>
@@ -174,6 +177,13 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
     }
     v.data = tensorData ? static_cast<char*>(tensorData) + offset * esize : nullptr;
     v.device = moegrad::Device::kCPU;
+#ifdef MOEGRAD_WITH_CUDA
+    const int dev = moegrad::cuda_pointer_device(tensorData);  // device memory: a CUDA view
+    if (dev >= 0) {
+      v.device = moegrad::Device::kCUDA;
+      v.device_id = dev;
+    }
+#endif
     out = t.release();
   });
   return st == ACLNN_SUCCESS ? out : nullptr;
