@@ -88,6 +88,7 @@ typedef enum {
 
 typedef struct aclTensor aclTensor;
 typedef struct aclOpExecutor aclOpExecutor;
+typedef struct aclIntArray aclIntArray;
 
 /* A tensor handle over caller memory (host memory; device memory in CUDA builds, detected from
  * the pointer). viewDims/stride describe the view in elements; offset is in elements from
@@ -100,6 +101,10 @@ MOEGRAD_C_API aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewD
                                          const int64_t* storageDims, uint64_t storageDimsNum,
                                          void* tensorData);
 MOEGRAD_C_API aclnnStatus aclDestroyTensor(const aclTensor* tensor);
+
+/* A list of int64 values (copied); NULL on invalid arguments. */
+MOEGRAD_C_API aclIntArray* aclCreateIntArray(const int64_t* value, uint64_t size);
+MOEGRAD_C_API aclnnStatus aclDestroyIntArray(const aclIntArray* array);
 
 MOEGRAD_C_API aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor);
 MOEGRAD_C_API aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor);
@@ -191,6 +196,50 @@ MOEGRAD_C_API aclnnStatus aclnnSwigluGroupGetWorkspaceSize(
     double clampLimit, const aclTensor* yOut, uint64_t* workspaceSize, aclOpExecutor** executor);
 MOEGRAD_C_API aclnnStatus aclnnSwigluGroup(void* workspace, uint64_t workspaceSize,
                                            aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- MoeInitRoutingV2 (docs/operators.md §8.1-§8.7; decisions D25-D31). Token permutation:
+ * x [R,H] fp32/fp16/bf16, expertIdx [R,K] int32; dropPadMode 0: expandedXOut [R*K,H] (or
+ * [min(activeNum, R*K),H] when activeNum > 0), 1: [expertNum, expertCapacity, H];
+ * expandedRowIdxOut [R*K] int32, src->dst (slot r*K+k -> expanded row, -1 = dropped).
+ * expertTokensCountOrCumsumFlag (mode 0): 0 none, 1 cumsum, 2 count -> [expertNum] int32;
+ * expertTokensBeforeCapacityFlag (mode 1): per-expert counts before dropping -> [expertNum]
+ * int32. An output whose flag is off may be NULL. Shape/attribute/value errors: 561103. */
+MOEGRAD_C_API aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
+    const aclTensor* x, const aclTensor* expertIdx, int64_t activeNum, int64_t expertCapacity,
+    int64_t expertNum, int64_t dropPadMode, int64_t expertTokensCountOrCumsumFlag,
+    bool expertTokensBeforeCapacityFlag, const aclTensor* expandedXOut,
+    const aclTensor* expandedRowIdxOut, const aclTensor* expertTokensCountOrCumsumOut,
+    const aclTensor* expertTokensBeforeCapacityOut, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeInitRoutingV2(void* workspace, uint64_t workspaceSize,
+                                                aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- MoeInitRoutingV3 (docs/operators.md §8.8). As V2 plus: activeExpertRangeOptional
+ * [start, end) (NULL or empty: [0, expertNum)), slots of other experts get -1 (rowIdxType 0);
+ * rowIdxType 1 returns the dst->src order instead; expertTokensNumType 0 cumsum, 1 count
+ * ([end-start] int64), 2 key-value ([expertNum, 2] int64), written when expertTokensNumFlag.
+ * expertNum >= 1. No quantisation: scaleOptional and offsetOptional must be NULL and quantMode
+ * -1 (161002 otherwise); expandedScaleOut is not written and may be NULL. */
+MOEGRAD_C_API aclnnStatus aclnnMoeInitRoutingV3GetWorkspaceSize(
+    const aclTensor* x, const aclTensor* expertIdx, const aclTensor* scaleOptional,
+    const aclTensor* offsetOptional, int64_t activeNum, int64_t expertCapacity, int64_t expertNum,
+    int64_t dropPadMode, int64_t expertTokensNumType, bool expertTokensNumFlag, int64_t quantMode,
+    const aclIntArray* activeExpertRangeOptional, int64_t rowIdxType, const aclTensor* expandedXOut,
+    const aclTensor* expandedRowIdxOut, const aclTensor* expertTokensCountOrCumsumOut,
+    const aclTensor* expandedScaleOut, uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeInitRoutingV3(void* workspace, uint64_t workspaceSize,
+                                                aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- MoeInitRoutingV2Grad (docs/operators.md §8.9; D29). gradExpandedX [rows,H] (mode 0; rows
+ * = R*K, or min(activeNum, R*K) when activeNum > 0) or [E,C,H] (mode 1); expandedRowIdx [R*K]
+ * int32 src->dst; out [R,H]: per token the fp32 sum of its K rows, skipping -1 and rows past the
+ * end. */
+MOEGRAD_C_API aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
+    const aclTensor* gradExpandedX, const aclTensor* expandedRowIdx, int64_t topK,
+    int64_t dropPadMode, int64_t activeNum, const aclTensor* out, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeInitRoutingV2Grad(void* workspace, uint64_t workspaceSize,
+                                                    aclOpExecutor* executor, aclrtStream stream);
 
 #ifdef __cplusplus
 }

@@ -212,6 +212,49 @@ MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant_grad(
     const TensorView* grad_y, const TensorView* x, const TensorView* weight,
     const TensorView* y_origin, const TensorView* group_index, const SwigluAttrs& attrs);
 
+// ---- Init routing V2/V3 = token permutation (spec §8; D25-D31; docs/decisions.md L30-L36) ----
+struct InitRoutingAttrs {
+  int64_t active_num = 0;       // mode 0: 0 (or -1) dropless; A > 0 keeps the first min(A, R*K)
+  int64_t expert_capacity = 0;  // mode 1: C >= 1 (no C <= R rule, D30)
+  int64_t expert_num = 0;       // E >= 0; 0 = unknown (dropless, no counts, no window)
+  int64_t drop_pad_mode = 0;    // 0 dropless/active, 1 drop-pad [E, C, H]
+  int64_t expert_tokens_num_type = 1;  // 0 cumsum, 1 count, 2 key-value ([E, 2])
+  bool expert_tokens_num_flag = false;  // write expert_tokens
+  bool has_range = false;       // active expert window [expert_start, expert_end)
+  int64_t expert_start = 0;
+  int64_t expert_end = 0;
+  int64_t row_idx_type = 0;     // 0 src->dst (slot -> expanded row, -1 = none), 1 dst->src
+};
+// x [R,H] fp32/fp16/bf16; expert_idx [R,K] int32; expanded_x [rows,H] (mode 0: rows = R*K, or
+// min(A, R*K) when A > 0) or [E,C,H] (mode 1), x.dtype; expanded_row_idx [R*K] int32;
+// expert_tokens int32 or int64, [end-start] (types 0/1, end-start = E without a window) or [E,2]
+// (type 2), required iff expert_tokens_num_flag. Shape/attribute/value errors: 561103.
+MOEGRAD_API ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
+                                              const InitRoutingAttrs& attrs,
+                                              const TensorView* expanded_x,
+                                              const TensorView* expanded_row_idx,
+                                              const TensorView* expert_tokens);
+// Shapes of (expanded_x, expanded_row_idx, expert_tokens); expert_tokens is [0] without the flag.
+MOEGRAD_API std::vector<Shape> infer_moe_init_routing(const TensorView* x,
+                                                      const TensorView* expert_idx,
+                                                      const InitRoutingAttrs& attrs);
+
+// ---- Init routing V2 grad (spec §8.9; D29) ----
+struct InitRoutingGradAttrs {
+  int64_t top_k = 1;          // K >= 1, divides numel(expanded_row_idx)
+  int64_t drop_pad_mode = 0;  // 0: grad_expanded_x [rows,H]; 1: [E,C,H]
+  int64_t active_num = 0;     // mode 0: A > 0 => grad_expanded_x has min(A, R*K) rows
+};
+// grad_expanded_x fp32/fp16/bf16; expanded_row_idx [R*K] int32 (src->dst, -1 = none);
+// grad_x [R,H] grad_expanded_x.dtype: per token the fp32 sum, in k order, of its valid rows.
+MOEGRAD_API ExecutorPtr plan_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                                   const TensorView* expanded_row_idx,
+                                                   const InitRoutingGradAttrs& attrs,
+                                                   const TensorView* grad_x);
+MOEGRAD_API std::vector<Shape> infer_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                                           const TensorView* expanded_row_idx,
+                                                           const InitRoutingGradAttrs& attrs);
+
 // ---- Threads (CPU) ----
 // n <= 0 restores the default (OpenMP's). Results never depend on the thread count (D16).
 MOEGRAD_API void set_num_threads(int n);

@@ -8,7 +8,7 @@ semantics, shapes, dtypes and status codes: docs/operators.md; decisions: docs/d
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -29,6 +29,8 @@ __all__ = [
     "moe_finalize_routing_grad",
     "swiglu_group",
     "swiglu_group_quant_backward",
+    "moe_init_routing",
+    "moe_init_routing_grad",
     "set_num_threads",
     "get_num_threads",
 ]
@@ -140,6 +142,50 @@ def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tens
     """
     return torch.ops.moegrad.swiglu_group_quant_backward(grad_y, x, weight, y_origin,
                                                          group_index, clamp_limit)
+
+
+def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
+                     expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
+                     expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
+                     active_expert_range: Optional[Sequence[int]] = None,
+                     row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    """Token permutation: group token rows by expert (MoeInitRoutingV2/V3, docs/operators.md §8).
+
+    x: [R, H] float32/float16/bfloat16; expert_idx: [R, K] int32 (int64 accepted). The R*K
+    slots (flat s = r*K + k) are sorted by expert id, stably (ties: lower slot first), and
+    expanded_x[d] = x[S[d] // K] for the sorted slot list S.
+    - drop_pad_mode 0: expanded_x [R*K, H]; active_num A > 0 keeps only the first min(A, R*K)
+      sorted rows (the index keeps its full values).
+    - drop_pad_mode 1: expanded_x [expert_num, expert_capacity, H]; per expert the lowest
+      tokens are kept, extra slots get index -1, missing rows are zero.
+    - active_expert_range [start, end): only those experts are materialised (in order); other
+      slots get -1 and trailing rows are zero.
+    expanded_row_idx: [R*K] int32, src->dst (slot -> expanded row, -1 = none) with
+    row_idx_type 0; the dst->src slot order with row_idx_type 1 (no autograd).
+    Counts (int64): expert_tokens_num_type 0 cumsum, 1 count ([end - start], or [expert_num]),
+    2 key-value ([expert_num, 2] rows (id, count), then zeros); [0] when the flag is off or
+    expert_num is 0 without a window. Drop/pad counts are before capacity.
+    Differentiable w.r.t. x (via moe_init_routing_grad). Feed expanded_row_idx to
+    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad).
+    Errors: MoeError 161001/161002, 561103 (shapes, attributes, expert ids).
+    """
+    rng = None if active_expert_range is None else [int(v) for v in active_expert_range]
+    return torch.ops.moegrad.moe_init_routing(x, expert_idx, active_num, expert_capacity,
+                                              expert_num, drop_pad_mode, expert_tokens_num_type,
+                                              expert_tokens_num_flag, rng, row_idx_type)
+
+
+def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
+                          drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
+    """Backward of moe_init_routing (MoeInitRoutingV2Grad, docs/operators.md §8.9, D29).
+
+    grad_expanded_x: [rows, H] (mode 0; rows = R*K, or min(active_num, R*K) when
+    active_num > 0) or [E, C, H] (mode 1); expanded_row_idx: [R*K] int32 src->dst. Returns
+    grad_x [R, H]: per token the fp32 sum, in k order, of its rows; -1 and rows >= rows are
+    skipped. Errors: MoeError 161001/161002, 561103.
+    """
+    return torch.ops.moegrad.moe_init_routing_grad(grad_expanded_x, expanded_row_idx, top_k,
+                                                   drop_pad_mode, active_num)
 
 
 def set_num_threads(n: int) -> None:

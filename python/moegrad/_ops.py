@@ -377,3 +377,103 @@ def _swiglu_backward(ctx, grad_y):
 
 
 swiglu_group.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Init routing = token permutation (docs/operators.md §8; D25-D31; L30-L36)
+# ---------------------------------------------------------------------------------------------
+def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag):
+    """(has_range, start, end, flag): counts need E; without E and window they are off (L33)."""
+    if active_expert_range is not None and len(active_expert_range) > 0:
+        if len(active_expert_range) != 2:
+            raise MoeError("moe_init_routing: active_expert_range: must hold 2 values [start, "
+                           f"end); got {list(active_expert_range)}", ERR_FINALIZE_ROUTING)
+        start, end = int(active_expert_range[0]), int(active_expert_range[1])
+        return True, start, end, bool(expert_tokens_num_flag)
+    flag = bool(expert_tokens_num_flag) and expert_num > 0
+    return False, 0, 0, flag
+
+
+@torch.library.custom_op("moegrad::moe_init_routing", mutates_args=())
+def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
+                     expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
+                     expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
+                     active_expert_range: Optional[List[int]] = None,
+                     row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    op = "moe_init_routing"
+    x = x.contiguous()
+    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
+                                                      expert_tokens_num_flag)
+    attrs = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_num_type,
+             flag, has_range, start, end, row_idx_type)
+    sx, si, st = _C.infer_moe_init_routing(x, eidx, *attrs)
+    ex = _empty(sx, x.dtype, x)
+    idx = _empty(si, torch.int32, x)
+    tokens = _empty(st, torch.int64, x)
+    _C.moe_init_routing(x, eidx, *attrs, ex, idx, tokens if flag else None)
+    return ex, idx, tokens
+
+
+@moe_init_routing.register_fake
+def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
+      expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=None,
+      row_idx_type=0):
+    r, h = x.shape[0], x.shape[1]
+    n = r * expert_idx.shape[1]
+    if drop_pad_mode == 1:
+        ex = x.new_empty((expert_num, expert_capacity, h))
+    else:
+        ex = x.new_empty((min(active_num, n) if active_num > 0 else n, h))
+    has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
+                                                      expert_tokens_num_flag)
+    if not flag:
+        tshape = (0,)
+    elif expert_tokens_num_type == 2:
+        tshape = (expert_num, 2)
+    else:
+        tshape = ((end - start) if has_range else expert_num,)
+    return ex, x.new_empty((n,), dtype=torch.int32), x.new_empty(tshape, dtype=torch.int64)
+
+
+@torch.library.custom_op("moegrad::moe_init_routing_grad", mutates_args=())
+def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
+                          drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
+    op = "moe_init_routing_grad"
+    g = grad_expanded_x.contiguous()
+    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
+    (sx,) = _C.infer_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num)
+    gx = _empty(sx, g.dtype, g)
+    _C.moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num, gx)
+    return gx
+
+
+@moe_init_routing_grad.register_fake
+def _(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0):
+    return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k,
+                                      grad_expanded_x.shape[-1]))
+
+
+def _init_routing_setup(ctx, inputs, output):
+    (x, expert_idx, active_num, _cap, _e, drop_pad_mode, _tt, _tf, _rng,
+     row_idx_type) = _args(inputs, (None, None, 0, 0, 0, 0, 1, True, None, 0))
+    _ex, idx, _tok = output
+    ctx.k = expert_idx.shape[1]
+    ctx.mode = drop_pad_mode
+    ctx.active_num = max(int(active_num), 0)
+    ctx.row_idx_type = row_idx_type
+    ctx.save_for_backward(idx)
+
+
+def _init_routing_backward(ctx, grad_ex, _grad_idx, _grad_tok):
+    if ctx.row_idx_type != 0:
+        raise NotImplementedError(
+            "moegrad.moe_init_routing: backward needs row_idx_type=0 (the src->dst index); "
+            f"got row_idx_type={ctx.row_idx_type} (decisions.md D25)")
+    (idx,) = ctx.saved_tensors
+    gx = moe_init_routing_grad(grad_ex, idx, ctx.k, ctx.mode,
+                               ctx.active_num if ctx.mode == 0 else 0)
+    return (gx,) + (None,) * 9
+
+
+moe_init_routing.register_autograd(_init_routing_backward, setup_context=_init_routing_setup)

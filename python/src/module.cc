@@ -250,4 +250,39 @@ NB_MODULE(_C, m) {
           return infer_swiglu_group_quant_grad(a(gy), a(x), a(weight), a(y_origin),
                                                a(group_index), SwigluAttrs{clamp_limit});
         });
+
+  // ---- init routing (token permutation) ----
+  m.def("moe_init_routing",
+        [](const Opt& x, const Opt& eidx, int64_t active_num, int64_t expert_capacity,
+           int64_t expert_num, int64_t drop_pad_mode, int64_t tokens_type, bool tokens_flag,
+           bool has_range, int64_t start, int64_t end, int64_t row_idx_type, const Opt& ex,
+           const Opt& idx, const Opt& tokens) {
+          Args a;
+          InitRoutingAttrs at{active_num, expert_capacity, expert_num, drop_pad_mode,
+                              tokens_type, tokens_flag, has_range, start, end, row_idx_type};
+          run(plan_moe_init_routing(a(x), a(eidx), at, a(ex), a(idx), a(tokens)));
+        });
+  m.def("infer_moe_init_routing",
+        [](const Opt& x, const Opt& eidx, int64_t active_num, int64_t expert_capacity,
+           int64_t expert_num, int64_t drop_pad_mode, int64_t tokens_type, bool tokens_flag,
+           bool has_range, int64_t start, int64_t end, int64_t row_idx_type) -> Shapes {
+          Args a;
+          InitRoutingAttrs at{active_num, expert_capacity, expert_num, drop_pad_mode,
+                              tokens_type, tokens_flag, has_range, start, end, row_idx_type};
+          return infer_moe_init_routing(a(x), a(eidx), at);
+        });
+  m.def("moe_init_routing_grad",
+        [](const Opt& gex, const Opt& idx, int64_t top_k, int64_t drop_pad_mode,
+           int64_t active_num, const Opt& gx) {
+          Args a;
+          InitRoutingGradAttrs at{top_k, drop_pad_mode, active_num};
+          run(plan_moe_init_routing_grad(a(gex), a(idx), at, a(gx)));
+        });
+  m.def("infer_moe_init_routing_grad",
+        [](const Opt& gex, const Opt& idx, int64_t top_k, int64_t drop_pad_mode,
+           int64_t active_num) -> Shapes {
+          Args a;
+          InitRoutingGradAttrs at{top_k, drop_pad_mode, active_num};
+          return infer_moe_init_routing_grad(a(gex), a(idx), at);
+        });
 }

@@ -67,14 +67,14 @@ void cpp_api_gating_backward() {
   for (int i = 0; i < 32; ++i) check_near("C++ gating backward grad_x", i, gx[i], want[i], 1e-6);
 
   // An invalid call throws moegrad::Error with the documented code (norm_type != 1: 161002).
-  attrs.norm_type = 0;
+  attrs.norm_type = 3;
   int code = 0;
   try {
     moegrad::plan_moe_gating_top_k_backward(&t_xn, &t_gy, &t_idx, attrs, &t_gx);
   } catch (const moegrad::Error& e) {
     code = e.code();
   }
-  check(code == moegrad::kErrParamInvalid, "C++ API: norm_type 0 must throw 161002");
+  check(code == moegrad::kErrParamInvalid, "C++ API: norm_type 3 must throw 161002");
 }
 
 void c_api_finalize_grad() {

@@ -35,10 +35,10 @@ struct Small {
     return aclnnMoeGatingTopKBackwardGetWorkspaceSize(t_xn, t_gy, t_idx, 0, 1, rsf, 1e-20, t_out,
                                                       &ws, ex);
   }
-  aclnnStatus fail() {  // norm_type 0 is rejected
+  aclnnStatus fail() {  // norm_type 3 is rejected (0, 1 and 2 are valid, D22)
     uint64_t ws = 0;
     aclOpExecutor* ex = nullptr;
-    return aclnnMoeGatingTopKBackwardGetWorkspaceSize(t_xn, t_gy, t_idx, 0, 0, 1.0, 1e-20, t_out,
+    return aclnnMoeGatingTopKBackwardGetWorkspaceSize(t_xn, t_gy, t_idx, 0, 3, 1.0, 1e-20, t_out,
                                                       &ws, &ex);
   }
   // Expected output from the §1.5 formula in double (independent of the library).

@@ -25,6 +25,7 @@ __all__ = [
     "moe_gating_top_k_backward", "gating_backward_magnitude",
     "moe_finalize_routing", "moe_finalize_routing_grad",
     "swiglu_group", "swiglu_group_quant_backward", "swiglu_backward_magnitude", "swiglu_trunc",
+    "moe_init_routing", "moe_init_routing_grad",
 ]
 
 
@@ -452,3 +453,87 @@ def swiglu_backward_magnitude(grad_y, x, weight=None, y_origin=None, group_index
         gw = np.sum(gy * np.abs(as_f64(y_origin).reshape(T, H)), axis=1)
         gw = gw.reshape(as_f64(weight).shape)
     return gx, gw
+
+
+# --------------------------------------------------------------------------------------------
+# Token permutation: moe_init_routing / moe_init_routing_grad (docs/operators.md §8, D25-D31)
+# Written from the formulas of §8.5, §8.8, §8.9 with numpy's stable argsort as the sort rule.
+# --------------------------------------------------------------------------------------------
+def moe_init_routing(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0,
+                     drop_pad_mode=0, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+                     active_expert_range=None, row_idx_type=0):
+    """Returns (expanded_x float64, expanded_row_idx int64, counts int64 or an empty array)."""
+    xv = as_f64(x)
+    e = as_i64(expert_idx)
+    R, H = xv.shape
+    K = e.shape[1]
+    flat = e.reshape(-1)
+    N = R * K
+    E = expert_num
+    if active_expert_range:
+        lo, hi = active_expert_range
+    else:
+        lo, hi = 0, (E if E > 0 else (int(flat.max()) + 1 if N else 0))
+    inside = (flat >= lo) & (flat < hi)
+    # key: in-window ids sort first by id; then ids >= hi by id; ids < lo last (slot order).
+    big = np.int64(1) << 40
+    key = np.where(inside, flat, np.where(flat >= hi, big + flat, 2 * big))
+    S = np.argsort(key, kind="stable")
+    n_act = int(inside.sum())
+    flag = expert_tokens_num_flag and (E > 0 or bool(active_expert_range))
+    counts_e = np.zeros(0, dtype=np.int64)
+    if flag:
+        counts_e = np.array([int((flat == ex).sum()) for ex in range(lo, hi)], dtype=np.int64)
+    if drop_pad_mode == 0:
+        idx = np.full(N, -1, dtype=np.int64)
+        idx[S[:n_act]] = np.arange(n_act)
+        rows = min(active_num, N) if active_num > 0 else N
+        ex = np.zeros((rows, H))
+        for d in range(min(rows, n_act)):
+            ex[d] = xv[S[d] // K]
+        if row_idx_type == 1:
+            idx = S.astype(np.int64)
+    else:
+        C = expert_capacity
+        idx = np.full(N, -1, dtype=np.int64)
+        ex = np.zeros((E, C, H))
+        fill = np.zeros(E, dtype=np.int64)
+        for d in range(n_act):
+            s = S[d]
+            ee = flat[s]
+            if fill[ee] < C:
+                idx[s] = ee * C + fill[ee]
+                ex[ee, fill[ee]] = xv[s // K]
+            fill[ee] += 1
+    if not flag:
+        tok = np.zeros(0, dtype=np.int64)
+    elif expert_tokens_num_type == 0:
+        tok = np.cumsum(counts_e)
+    elif expert_tokens_num_type == 1:
+        tok = counts_e
+    else:
+        tok = np.zeros((E, 2), dtype=np.int64)
+        j = 0
+        for b, c in enumerate(counts_e):
+            if c > 0:
+                tok[j] = (lo + b, c)
+                j += 1
+    return ex, idx, tok
+
+
+def moe_init_routing_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0,
+                          active_num=0):
+    """grad_x[r] = sum over k of grad rows d = idx[r*K + k], d outside [0, rows) skipped."""
+    g = as_f64(grad_expanded_x)
+    idx = as_i64(expanded_row_idx)
+    H = g.shape[-1]
+    g = g.reshape(-1, H)
+    rows = g.shape[0]
+    R = idx.shape[0] // top_k
+    out = np.zeros((R, H))
+    for r in range(R):
+        for k in range(top_k):
+            d = idx[r * top_k + k]
+            if 0 <= d < rows:
+                out[r] += g[d]
+    return out

@@ -1,0 +1,290 @@
+// Validation, shape inference and planning of init routing and its grad (docs/operators.md
+// §8.6, §8.8, §8.9; docs/decisions.md D25-D31, L30-L36).
+#include "ops/init_routing/init_routing.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "core/check.h"
+#include "core/executor.h"
+#include "core/host.h"
+
+namespace moegrad {
+
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// Largest id of a host int32 tensor (-1 when empty); device tensors report -1.
+int64_t host_max(const TensorView& t) {
+  if (t.device != Device::kCPU) return -1;
+  const int32_t* p = static_cast<const int32_t*>(t.data);
+  int64_t m = -1;
+  for (int64_t i = 0, n = t.numel(); i < n; ++i) m = std::max<int64_t>(m, p[i]);
+  return m;
+}
+
+int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
+
+}  // namespace
+
+InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eidx,
+                                      const InitRoutingAttrs& a, const TensorView* ex,
+                                      const TensorView* idx, const TensorView* tokens,
+                                      bool with_outputs) {
+  Validator v("moe_init_routing", kErrInnerNullptr);
+  InitRoutingPlan p;
+  v.present(x, "x");
+  v.present(eidx, "expert_idx");
+  if (with_outputs) {
+    v.present(ex, "expanded_x");
+    v.present(idx, "expanded_row_idx");
+    if (a.expert_tokens_num_flag) v.present(tokens, "expert_tokens_count_or_cumsum");
+  }
+  // Dtypes and layouts: 161002.
+  v.dtype_in(*x, "x", kFloatTypes);
+  v.same_dtype(*eidx, "expert_idx", DType::kInt32, "int32");
+  const Device dev = x->device;
+  v.layout(*x, "x", dev);
+  v.layout(*eidx, "expert_idx", dev);
+  const TensorView* tok = a.expert_tokens_num_flag ? tokens : nullptr;
+  if (with_outputs) {
+    v.same_dtype(*ex, "expanded_x", x->dtype, "x's dtype");
+    v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
+    if (tok) v.dtype_in(*tok, "expert_tokens_count_or_cumsum", {DType::kInt64, DType::kInt32});
+    v.layout(*ex, "expanded_x", dev);
+    v.layout(*idx, "expanded_row_idx", dev);
+    if (tok) v.layout(*tok, "expert_tokens_count_or_cumsum", dev);
+  }
+
+  // Attributes: 561103.
+  const int64_t mode = a.drop_pad_mode;
+  v.check_shape(mode == 0 || mode == 1, "drop_pad_mode",
+                cat("must be 0 (dropless/active) or 1 (drop-pad); got ", mode));
+  v.check_shape(a.expert_num >= 0, "expert_num", cat("must be >= 0; got ", a.expert_num));
+  const int64_t E = a.expert_num;
+  if (mode == 0) {
+    v.check_shape(a.active_num >= -1, "active_num",
+                  cat("must be >= 0 (or -1, the same as 0); got ", a.active_num));
+  } else {
+    v.check_shape(E > 0, "expert_num", cat("must be > 0 in drop-pad mode; got ", E));
+    v.check_shape(a.expert_capacity >= 1, "expert_capacity",
+                  cat("must be >= 1 in drop-pad mode; got ", a.expert_capacity));
+    v.check_shape(a.row_idx_type == 0, "row_idx_type",
+                  cat("must be 0 (src->dst) in drop-pad mode; got ", a.row_idx_type));
+  }
+  v.check_shape(a.row_idx_type == 0 || a.row_idx_type == 1, "row_idx_type",
+                cat("must be 0 (src->dst, gather) or 1 (dst->src, scatter); got ",
+                    a.row_idx_type));
+  if (a.expert_tokens_num_flag) {
+    v.check_shape(a.expert_tokens_num_type >= 0 && a.expert_tokens_num_type <= 2,
+                  "expert_tokens_num_type",
+                  cat("must be 0 (cumsum), 1 (count) or 2 (key-value); got ",
+                      a.expert_tokens_num_type));
+    v.check_shape(E > 0, "expert_num",
+                  cat("must be > 0 when expert token counts are requested; got ", E));
+  }
+  int64_t lo = 0, hi = E;
+  if (a.has_range) {
+    lo = a.expert_start;
+    hi = a.expert_end;
+    v.check_shape(E > 0, "expert_num",
+                  cat("must be > 0 with an active_expert_range; got ", E));
+    v.check_shape(0 <= lo && lo < hi && hi <= E, "active_expert_range",
+                  cat("must be [start, end) with 0 <= start < end <= expert_num (", E, "); got [",
+                      lo, ", ", hi, ")"));
+    if (mode == 1) {
+      v.check_shape(lo == 0 && hi == E, "active_expert_range",
+                    cat("must cover all experts [0, ", E, ") in drop-pad mode; got [", lo, ", ",
+                        hi, ")"));
+    }
+  }
+
+  // Shapes: 561103.
+  v.rank(*x, "x", 2);
+  v.rank(*eidx, "expert_idx", 2);
+  const int64_t R = x->shape[0], H = x->shape[1];
+  const int64_t K = eidx->shape[1];
+  v.check_shape(H >= 1, "x", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.dim(*eidx, "expert_idx", 0, R, "x's token count R (dim 0)");
+  v.check_shape(K >= 1, "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
+  const int64_t N = R * K;
+  v.check_shape(N <= kInt32Max, "expert_idx",
+                cat("R * K must fit the int32 index (<= ", kInt32Max, "); got ", N));
+  int64_t rows;
+  Shape ex_shape;
+  if (mode == 0) {
+    const int64_t A = a.active_num > 0 ? a.active_num : 0;
+    rows = A > 0 ? std::min(A, N) : N;
+    ex_shape = {rows, H};
+  } else {
+    v.check_shape(E * a.expert_capacity <= kInt32Max, "expert_capacity",
+                  cat("expert_num * expert_capacity must fit the int32 index; got ", E, " * ",
+                      a.expert_capacity));
+    rows = E * a.expert_capacity;
+    ex_shape = {E, a.expert_capacity, H};
+  }
+  const int64_t token_type = a.expert_tokens_num_type;
+  Shape tok_shape = {0};
+  if (a.expert_tokens_num_flag) {
+    tok_shape = token_type == 2 ? Shape{E, 2} : Shape{hi - lo};
+  }
+  if (with_outputs) {
+    v.shape(*ex, "expanded_x", ex_shape);
+    v.shape(*idx, "expanded_row_idx", {N});
+    if (tok) v.shape(*tok, "expert_tokens_count_or_cumsum", tok_shape);
+  }
+
+  // Expert id values (D28): with a window, ids outside it are excluded, not errors; without one
+  // they must lie in [0, E) when E is known, else be >= 0.
+  bool window_all = false;
+  if (!a.has_range) {
+    if (E > 0) {
+      check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, E);
+    } else {
+      check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, kInt32Max + 1);
+      window_all = true;
+      lo = 0;
+      hi = host_max(*eidx) + 1;
+    }
+  }
+
+  p.x = *x;
+  p.expert_idx = *eidx;
+  if (with_outputs) {
+    p.expanded_x = *ex;
+    p.expanded_row_idx = *idx;
+    if (tok) p.expert_tokens = *tok;
+  }
+  p.has_tokens = tok != nullptr;
+  p.R = R;
+  p.K = K;
+  p.H = H;
+  p.mode = mode;
+  p.rows = rows;
+  p.capacity = mode == 1 ? a.expert_capacity : 0;
+  p.expert_num = E;
+  p.lo = lo;
+  p.hi = hi;
+  p.window_all = window_all;
+  p.token_type = token_type;
+  p.row_idx_type = a.row_idx_type;
+  const int64_t bins = std::max<int64_t>(hi - lo, 0);
+  // Ids much sparser than the slots (only possible without E) sort by comparison (L33).
+  p.comparison_sort = window_all && bins > 2 * N + 65536;
+  const int64_t counted_bins = p.comparison_sort ? 0 : bins;
+  int64_t chunks = std::clamp<int64_t>(N / 16384, 1, 64);
+  if (counted_bins > 0) {
+    chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, 4 * N / counted_bins));
+  }
+  p.chunks = chunks;
+  p.starts_offset = static_cast<uint64_t>(align64(N * 4));
+  p.hist_offset = p.starts_offset + static_cast<uint64_t>(align64((counted_bins + 1) * 4));
+  p.workspace_bytes = p.hist_offset + static_cast<uint64_t>(chunks * (counted_bins + 1) * 4);
+  return p;
+}
+
+InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const TensorView* idx,
+                                               const InitRoutingGradAttrs& a,
+                                               const TensorView* gx, bool with_outputs) {
+  Validator v("moe_init_routing_grad", kErrInnerNullptr);
+  InitRoutingGradPlan p;
+  v.present(gex, "grad_expanded_x");
+  v.present(idx, "expanded_row_idx");
+  if (with_outputs) v.present(gx, "grad_x");
+  v.dtype_in(*gex, "grad_expanded_x", kFloatTypes);
+  v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
+  if (with_outputs) v.same_dtype(*gx, "grad_x", gex->dtype, "grad_expanded_x's dtype");
+  const Device dev = gex->device;
+  v.layout(*gex, "grad_expanded_x", dev);
+  v.layout(*idx, "expanded_row_idx", dev);
+  if (with_outputs) v.layout(*gx, "grad_x", dev);
+
+  const int64_t mode = a.drop_pad_mode;
+  v.check_shape(mode == 0 || mode == 1, "drop_pad_mode",
+                cat("must be 0 (dropless/active) or 1 (drop-pad); got ", mode));
+  v.check_shape(a.top_k >= 1, "top_k", cat("must be >= 1; got ", a.top_k));
+  v.check_shape(a.active_num >= 0, "active_num", cat("must be >= 0; got ", a.active_num));
+  v.rank(*idx, "expanded_row_idx", 1);
+  const int64_t N = idx->shape[0], K = a.top_k;
+  v.check_shape(N % K == 0, "expanded_row_idx",
+                cat("length must be a multiple of top_k (", K, "); got ", N));
+  const int64_t R = N / K;
+  if (mode == 0) {
+    v.rank(*gex, "grad_expanded_x", 2);
+    const int64_t want = a.active_num > 0 ? std::min(a.active_num, N) : N;
+    v.dim(*gex, "grad_expanded_x", 0, want,
+          a.active_num > 0 ? "min(active_num, R * K)" : "R * K (the length of expanded_row_idx)");
+  } else {
+    v.rank(*gex, "grad_expanded_x", 3);
+  }
+  const int64_t H = gex->shape[gex->ndim - 1];
+  v.check_shape(H >= 1, "grad_expanded_x", cat("hidden size H (last dim) must be >= 1; got ", H));
+  const int64_t rows = mode == 0 ? gex->shape[0] : gex->shape[0] * gex->shape[1];
+  v.check_shape(rows <= kInt32Max, "grad_expanded_x",
+                cat("row count must fit the int32 index; got ", rows));
+  if (with_outputs) v.shape(*gx, "grad_x", {R, H});
+  // D29: values in [-1, limit), each valid value at most once; the kernel skips -1 and d >= rows.
+  const int64_t limit = mode == 0 ? N : rows;
+  check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", -1, limit);
+  check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", limit);
+
+  p.grad_expanded_x = *gex;
+  p.expanded_row_idx = *idx;
+  if (with_outputs) p.grad_x = *gx;
+  p.R = R;
+  p.K = K;
+  p.H = H;
+  p.rows = rows;
+  return p;
+}
+
+void run_plan(const InitRoutingPlan& plan, void* workspace, void*) {
+  require_cpu(plan.op, plan.x);
+  advise_output(plan.expanded_x);
+  init_routing_cpu(plan, workspace);
+}
+
+void run_plan(const InitRoutingGradPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.grad_expanded_x);
+  advise_output(plan.grad_x);
+  init_routing_grad_cpu(plan);
+}
+
+ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
+                                  const InitRoutingAttrs& attrs, const TensorView* expanded_x,
+                                  const TensorView* expanded_row_idx,
+                                  const TensorView* expert_tokens) {
+  return make_executor(validate_init_routing(x, expert_idx, attrs, expanded_x, expanded_row_idx,
+                                             expert_tokens, true));
+}
+
+std::vector<Shape> infer_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
+                                          const InitRoutingAttrs& attrs) {
+  InitRoutingPlan p =
+      validate_init_routing(x, expert_idx, attrs, nullptr, nullptr, nullptr, false);
+  Shape ex = p.mode == 0 ? Shape{p.rows, p.H} : Shape{p.expert_num, p.capacity, p.H};
+  Shape tok = {0};
+  if (attrs.expert_tokens_num_flag) {
+    tok = p.token_type == 2 ? Shape{p.expert_num, 2} : Shape{p.hi - p.lo};
+  }
+  return {ex, {p.R * p.K}, tok};
+}
+
+ExecutorPtr plan_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                       const TensorView* expanded_row_idx,
+                                       const InitRoutingGradAttrs& attrs,
+                                       const TensorView* grad_x) {
+  return make_executor(
+      validate_init_routing_grad(grad_expanded_x, expanded_row_idx, attrs, grad_x, true));
+}
+
+std::vector<Shape> infer_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                               const TensorView* expanded_row_idx,
+                                               const InitRoutingGradAttrs& attrs) {
+  InitRoutingGradPlan p =
+      validate_init_routing_grad(grad_expanded_x, expanded_row_idx, attrs, nullptr, false);
+  return {{p.R, p.H}};
+}
+
+}  // namespace moegrad

@@ -1,0 +1,231 @@
+// CPU kernels of init routing (docs/operators.md §8.5, §8.8) and its grad (§8.9).
+//
+// Forward: a stable counting sort of the R*K slots by expert id. Slots are split into a fixed
+// number of chunks (chosen at plan time); each chunk counts its ids, one serial pass turns the
+// (expert, chunk) counts into start offsets, and each chunk then places its slots in slot order.
+// The result is the unique stable order, whatever the thread count (D16). Rows are bit copies.
+// Grad: per token, the fp32 sum of its valid rows in k order, compiled once per SIMD target
+// (Highway) and dispatched at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/init_routing/init_routing_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "core/dtype.h"
+#include "core/parallel.h"
+#include "core/simd-inl.h"
+#include "hwy/highway.h"
+#include "ops/init_routing/init_routing.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace moegrad {
+namespace HWY_NAMESPACE {
+namespace {
+
+int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+
+template <typename T>
+void grad_rows(const InitRoutingGradPlan& p, int64_t begin, int64_t end) {
+  const int64_t K = p.K, H = p.H, rows = p.rows;
+  const T* g = typed<T>(p.grad_expanded_x);
+  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
+  T* out = typed<T>(p.grad_x);
+  HWY_ALIGN float acc[kChunk];
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t h0 = 0; h0 < H; h0 += static_cast<int64_t>(kChunk)) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
+      std::fill(acc, acc + n, 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t d = idx[r * K + k];
+        if (d < 0 || d >= rows) continue;  // dropped, outside the window, or truncated (D29)
+        const T* src = g + d * H + h0;
+        for (size_t j = 0; j < n; ++j) acc[j] += to_f32(src[j]);
+      }
+      store_chunk(acc, out + r * H + h0, n);
+    }
+  }
+}
+
+}  // namespace
+
+void InitRoutingBackward(const InitRoutingGradPlan& p) {
+  dispatch_float(p.grad_expanded_x.dtype, "grad_expanded_x", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    parallel_for(p.R, grain_rows(p.H * p.K),
+                 [&](int64_t b, int64_t e) { grad_rows<T>(p, b, e); });
+  });
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace moegrad
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace moegrad {
+HWY_EXPORT(InitRoutingBackward);
+
+void init_routing_grad_cpu(const InitRoutingGradPlan& plan) {
+  HWY_DYNAMIC_DISPATCH(InitRoutingBackward)(plan);
+}
+
+namespace {
+
+int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+
+template <typename C>
+void write_tokens(const InitRoutingPlan& p, const int32_t* starts, int64_t bins, int64_t n_act) {
+  C* out = static_cast<C*>(p.expert_tokens.data);
+  auto count = [&](int64_t b) {
+    return static_cast<int64_t>((b + 1 < bins ? starts[b + 1] : n_act) - starts[b]);
+  };
+  if (p.token_type == 2) {
+    // (expert id, count) for experts with tokens, ascending, then (0, 0) rows (D26, D27).
+    int64_t row = 0;
+    for (int64_t b = 0; b < bins; ++b) {
+      const int64_t c = count(b);
+      if (c == 0) continue;
+      out[2 * row] = static_cast<C>(p.lo + b);
+      out[2 * row + 1] = static_cast<C>(c);
+      ++row;
+    }
+    for (; row < p.expert_num; ++row) out[2 * row] = out[2 * row + 1] = 0;
+    return;
+  }
+  int64_t run = 0;
+  for (int64_t b = 0; b < bins; ++b) {
+    run += count(b);
+    out[b] = static_cast<C>(p.token_type == 0 ? run : count(b));
+  }
+}
+
+}  // namespace
+
+void init_routing_cpu(const InitRoutingPlan& p, void* workspace) {
+  const int64_t K = p.K, H = p.H, N = p.R * p.K;
+  const int32_t* e = static_cast<const int32_t*>(p.expert_idx.data);
+  int32_t* idx = static_cast<int32_t*>(p.expanded_row_idx.data);
+  unsigned char* ws = static_cast<unsigned char*>(workspace);
+  int32_t* sorted = reinterpret_cast<int32_t*>(ws);  // dst -> src for the in-window slots
+  const int64_t lo = p.lo, hi = p.hi;
+  const int64_t bins = p.comparison_sort ? 0 : std::max<int64_t>(hi - lo, 0);
+  int32_t* starts = reinterpret_cast<int32_t*>(ws + p.starts_offset);
+  int64_t n_act = 0;
+
+  if (p.comparison_sort) {
+    // Sparse ids without a window: every slot is in; stable sort by id.
+    std::iota(sorted, sorted + N, 0);
+    std::stable_sort(sorted, sorted + N, [&](int32_t a, int32_t b) { return e[a] < e[b]; });
+    n_act = N;
+    if (p.row_idx_type == 0) {
+      parallel_for(N, 4096, [&](int64_t b0, int64_t b1) {
+        for (int64_t d = b0; d < b1; ++d) idx[sorted[d]] = static_cast<int32_t>(d);
+      });
+    }
+  } else {
+    const int64_t C = p.chunks, W = bins + 1;
+    int32_t* hist = reinterpret_cast<int32_t*>(ws + p.hist_offset);
+    auto chunk_begin = [&](int64_t c) { return N * c / C; };
+    parallel_for(C, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        int32_t* h = hist + c * W;
+        std::fill(h, h + W, 0);
+        for (int64_t s = chunk_begin(c), s1 = chunk_begin(c + 1); s < s1; ++s) {
+          const int64_t b = static_cast<int64_t>(e[s]) - lo;
+          ++h[(b >= 0 && b < bins) ? b : bins];
+        }
+      }
+    });
+    int64_t run = 0;
+    for (int64_t b = 0; b < bins; ++b) {
+      starts[b] = static_cast<int32_t>(run);
+      for (int64_t c = 0; c < C; ++c) {
+        const int32_t t = hist[c * W + b];
+        hist[c * W + b] = static_cast<int32_t>(run);
+        run += t;
+      }
+    }
+    starts[bins] = static_cast<int32_t>(run);
+    n_act = run;
+    const bool drop_pad = p.mode == 1;
+    const int64_t cap = p.capacity;
+    const bool gather = p.row_idx_type == 0;
+    parallel_for(C, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        int32_t* h = hist + c * W;
+        for (int64_t s = chunk_begin(c), s1 = chunk_begin(c + 1); s < s1; ++s) {
+          const int64_t b = static_cast<int64_t>(e[s]) - lo;
+          if (b < 0 || b >= bins) {
+            if (gather) idx[s] = -1;  // outside the window (D25)
+            continue;
+          }
+          const int32_t d = h[b]++;
+          sorted[d] = static_cast<int32_t>(s);
+          if (!gather) continue;
+          if (drop_pad) {
+            const int64_t q = d - starts[b];
+            idx[s] = q < cap ? static_cast<int32_t>(b * cap + q) : -1;  // lowest tokens kept
+          } else {
+            idx[s] = d;
+          }
+        }
+      }
+    });
+  }
+
+  if (p.row_idx_type == 1) {
+    // dst -> src: the in-window order, then the other slots in the reference order (L32): ids
+    // >= end by id (stable), then ids < start in slot order.
+    std::copy(sorted, sorted + n_act, idx);
+    int64_t pos = n_act;
+    for (int64_t s = 0; s < N; ++s) {
+      if (e[s] >= hi) idx[pos++] = static_cast<int32_t>(s);
+    }
+    std::stable_sort(idx + n_act, idx + pos, [&](int32_t a, int32_t b) { return e[a] < e[b]; });
+    for (int64_t s = 0; s < N; ++s) {
+      if (e[s] < lo) idx[pos++] = static_cast<int32_t>(s);
+    }
+  }
+
+  // expanded_x: bit copies of token rows; rows with no slot are +0.0 (D27).
+  const size_t rb = static_cast<size_t>(H * dtype_size(p.x.dtype));
+  const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
+  unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
+  if (p.mode == 0) {
+    parallel_for(p.rows, grain(H), [&](int64_t d0, int64_t d1) {
+      for (int64_t d = d0; d < d1; ++d) {
+        if (d < n_act) {
+          std::memcpy(ex + d * rb, x + static_cast<int64_t>(sorted[d] / K) * rb, rb);
+        } else {
+          std::memset(ex + d * rb, 0, rb);
+        }
+      }
+    });
+  } else {
+    const int64_t cap = p.capacity;
+    parallel_for(p.rows, grain(H), [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t b = j / cap, q = j % cap;
+        const int64_t cnt = starts[b + 1] - starts[b];
+        if (q < cnt) {
+          std::memcpy(ex + j * rb, x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb, rb);
+        } else {
+          std::memset(ex + j * rb, 0, rb);
+        }
+      }
+    });
+  }
+
+  if (p.has_tokens) {
+    if (p.expert_tokens.dtype == DType::kInt64) {
+      write_tokens<int64_t>(p, starts, bins, n_act);
+    } else {
+      write_tokens<int32_t>(p, starts, bins, n_act);
+    }
+  }
+}
+
+}  // namespace moegrad
+#endif  // HWY_ONCE
