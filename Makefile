@@ -8,6 +8,9 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 JOBS ?= $(shell nproc)
 SOURCES := $(shell find src include python cmake -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 CPP_TEST_SOURCES := $(shell find tests/cpp tests/consumer examples -type f 2>/dev/null)
+# The CI build (CI=true, set by .ci/run) turns compiler warnings into errors; local builds only
+# show them (docs/decisions.md L63).
+WERROR := $(if $(filter true 1 yes,$(CI)),ON,OFF)
 
 .PHONY: demo test test-python test-cpp bench setup clean
 
@@ -38,11 +41,11 @@ $(VENV)/.deps: requirements-dev.txt build/.system-deps
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
-	$(PY) -m pip install -q --no-build-isolation --no-deps .
+	$(PY) -m pip install -q --no-build-isolation --no-deps -C cmake.define.MOEGRAD_WERROR=$(WERROR) .
 	touch $@
 
 build/cpp/.built: $(VENV)/.deps $(SOURCES) $(CPP_TEST_SOURCES)
-	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON >/dev/null
+	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_WERROR=$(WERROR) >/dev/null
 	cmake --build build/cpp -j $(JOBS)
 	touch $@
 

@@ -49,9 +49,11 @@ def load_text(path: str | None) -> bytes:
         if len(data) < 2:
             raise SystemExit(f"moegrad.demo: --data {path!r} holds {len(data)} bytes; need text")
         return data
-    hint = ("moegrad.demo: no training text found. The default data is Debian's fortunes "
-            f"package ({FORTUNES_DIR}/*). Install it with `apt-get install fortunes` "
-            "(as root), or pass any text file with --data PATH.")
+    hint = ("moegrad.demo: no training text found. Without --data the demo trains on the "
+            f"fortunes package ({FORTUNES_DIR}/*, not installed here). Either install it "
+            "(Debian/Ubuntu: `sudo apt-get install fortunes`), or pass any UTF-8 text file of "
+            "a few hundred kB or more with --data PATH (for example a book from Project "
+            "Gutenberg).")
     if not os.path.isdir(FORTUNES_DIR):
         raise SystemExit(hint)
     parts = []
@@ -414,7 +416,15 @@ def sample(model, prompt: bytes, n, seq, seed, device):
         logits = model(ctx)[0, -1].float().cpu()
         probs = torch.softmax(logits / 0.8, -1)
         ids.append(int(torch.multinomial(probs, 1, generator=g)))
-    return bytes(ids).decode("utf-8", errors="replace")
+    return printable(bytes(ids))
+
+
+def printable(data: bytes) -> str:
+    """The sampled bytes as text a terminal shows cleanly: invalid or cut multi-byte UTF-8
+    sequences are dropped (no replacement characters), other control characters become
+    spaces, line breaks and tabs stay."""
+    text = data.decode("utf-8", errors="ignore")
+    return "".join(c if c.isprintable() or c in "\n\t" else " " for c in text)
 
 
 def write_plot(path, loss_a, loss_b, label_a, first_mismatch=None):
@@ -461,8 +471,30 @@ def build_models(args, device):
     return other.to(device), ref.to(device)
 
 
+def check_outputs(args) -> str | None:
+    """Everything that could fail after training is checked before it: the optional plotting
+    dependency and the folders of the output files. Returns an error message or None."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return ("moegrad.demo: --plot needs matplotlib, which is not installed. Install the "
+                    "demo extra: `pip install 'moegrad[demo]'` (from a source checkout: "
+                    "`pip install '.[demo]'`), or `pip install matplotlib`; or drop --plot.")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                return f"moegrad.demo: {flag} {path!r}: the folder {folder!r} does not exist"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    problem = check_outputs(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("moegrad.demo: --device cuda asked for, but torch sees no CUDA device",
@@ -551,7 +583,8 @@ def _run(args, device) -> int:
             time_ref += (t2 - t1) + (t5 - t4)
         loss_mg.append(l_mg)
         loss_ref.append(l_ref)
-        bar.update(step, f"loss {l_mg:.3f} / {l_ref:.3f}")
+        bar.update(step, f"loss {'nudged' if args.calibrate else 'moegrad'} {l_mg:.3f} / "
+                   f"PyTorch {l_ref:.3f}")
 
     timed_steps = max(args.steps - 1, 1)
     tokens = args.batch * args.seq * timed_steps
@@ -662,8 +695,10 @@ def _run(args, device) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+        print(f"  wrote {args.json} (results as JSON)", file=out)
     if args.plot:
         write_plot(args.plot, loss_mg, loss_ref, label, first_mismatch)
+        print(f"  wrote {args.plot} (loss curves)", file=out)
     return 0 if ok else 1
 
 

@@ -65,7 +65,7 @@ HWY_INLINE VF LoadF(DF d, const bf16_t* HWY_RESTRICT p) {
   return hn::BitCast(d, hn::ShiftLeft<16>(bits));
 }
 HWY_INLINE void StoreF(DF d, VF v, float* HWY_RESTRICT p) { hn::StoreU(v, d, p); }
-HWY_INLINE void StoreF(DF d, VF v, bf16_t* HWY_RESTRICT p) {
+HWY_INLINE void StoreF(DF /*d*/, VF v, bf16_t* HWY_RESTRICT p) {
   const hn::RebindToUnsigned<DF> du32;
   const hn::RebindToSigned<DF> di32;
   const hn::Rebind<uint16_t, DF> du16;

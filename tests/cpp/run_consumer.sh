@@ -3,15 +3,18 @@
 # tests/consumer against it with find_package(moegrad CONFIG REQUIRED) and
 # -DCMAKE_PREFIX_PATH=<prefix>. Registered as the CTest test moegrad_find_package_consumer.
 # Usage: run_consumer.sh <cmake> <build dir> <consumer source dir> [generator] [make program]
-#                        [C compiler] [C++ compiler] [config]
+#                        [C compiler] [C++ compiler] [config] [executable name]
+# (also builds examples/c standalone: moegrad_c_example_standalone)
 set -euo pipefail
 cmake=$1
 build=$2
 src=$3
 gen=${4:-}
 make_program=${5:-}
+cc=${6:-}
 cxx=${7:-}
 config=${8:-}
+exe_name=${9:-moegrad_consumer}
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/moegrad-consumer.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
@@ -25,6 +28,7 @@ args=(-S "$src" -B "$tmp/build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE
       -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
 [[ -n $gen ]] && args+=(-G "$gen")
 [[ -n $make_program ]] && args+=(-DCMAKE_MAKE_PROGRAM="$make_program")
+[[ -n $cc ]] && args+=(-DCMAKE_C_COMPILER="$cc")
 [[ -n $cxx ]] && args+=(-DCMAKE_CXX_COMPILER="$cxx")
 "$cmake" "${args[@]}"
 
@@ -40,7 +44,7 @@ echo "== build"
 "$cmake" --build "$tmp/build" ${config:+--config "$config"}
 
 echo "== run"
-exe=$(find "$tmp/build" -type f -name moegrad_consumer -perm -u+x | head -n 1)
+exe=$(find "$tmp/build" -type f -name "$exe_name" -perm -u+x | head -n 1)
 if command -v ldd >/dev/null 2>&1; then
   lib=$(ldd "$exe" | awk '/libmoegrad/ { print $3 }')
   echo "libmoegrad resolved to: $lib"

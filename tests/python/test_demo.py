@@ -216,3 +216,45 @@ def test_calibration_run_measures_without_judging(tmp_path, text_file, seed):
     assert set(REQUIRED_KEYS) <= set(doc)
     # the nudge is real (gradients differ at step 0) and tiny (fp32 rounding level)
     assert 0 < doc["grad_rel_diff_step0"] < 1e-4
+
+
+# ---- A user's first hour (docs/decisions.md L62): output labels, files, printable sample, and
+# ---- optional dependencies checked before any work.
+
+def test_demo_plot_without_matplotlib_fails_before_training(tmp_path, text_file, monkeypatch,
+                                                            capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # import matplotlib -> ImportError
+    monkeypatch.setattr(demo, "_run", lambda *a: pytest.fail("trained before checking --plot"))
+    rc = demo.main(["--steps", "5", "--data", str(text_file), "--plot", str(tmp_path / "p.png")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "matplotlib" in err and "moegrad[demo]" in err and ".[demo]" in err, err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_demo_missing_output_folder_fails_before_training(tmp_path, text_file, monkeypatch,
+                                                          capsys):
+    monkeypatch.setattr(demo, "_run", lambda *a: pytest.fail("trained before checking --json"))
+    rc = demo.main(["--data", str(text_file), "--json", str(tmp_path / "no" / "d.json")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_demo_labels_progress_and_names_written_files(tmp_path, text_file, seed, capsys):
+    out_json = tmp_path / "d.json"
+    small = [a for a in SMALL if a != "--quiet"]
+    rc = demo.main(["--steps", "2", "--data", str(text_file), "--seed", str(seed),
+                    "--json", str(out_json), *small])
+    captured = capsys.readouterr()
+    assert rc == 0
+    progress = [line for line in captured.err.splitlines() if "2/2" in line]
+    assert progress and "moegrad" in progress[-1] and "PyTorch" in progress[-1], captured.err
+    assert f"wrote {out_json}" in captured.out
+
+
+def test_demo_sample_text_is_printable():
+    cut = "naïve café — ok".encode()[:-4]                          # ends inside the dash
+    text = demo.printable(cut + b"\x00\x1b[2J\xff\xfe" + "ünïcode\nline\ttab".encode())
+    assert "\ufffd" not in text
+    assert all(c.isprintable() or c in "\n\t" for c in text)
+    assert text.startswith("naïve café ") and text.endswith("ünïcode\nline\ttab")
+    assert demo.printable(b"The \xe2\x80") == "The "             # a cut 3-byte sequence

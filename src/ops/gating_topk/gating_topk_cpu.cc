@@ -100,11 +100,10 @@ void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
   const GatingTopKAttrs& a = p.attrs;
   const int64_t N = p.N, K = a.k, G = a.group_count, gsize = N / G;
   const size_t np = padded(static_cast<size_t>(N));
-  auto buf = hwy::AllocateAligned<float>(3 * np);
-  std::fill(buf.get(), buf.get() + 3 * np, 0.0f);
+  auto buf = hwy::AllocateAligned<float>(2 * np);
+  std::fill(buf.get(), buf.get() + 2 * np, 0.0f);
   float* logits = buf.get();
   float* norm = logits + np;
-  float* score = norm + np;
   std::vector<uint64_t> keys(N), best(N), scratch(N), gkeys(G), gbest(G), gscratch(G);
   std::vector<int32_t> order(K);
   std::vector<char> kept(G);
