@@ -107,20 +107,16 @@ if [ -z "$SAN" ] && [ -d "$DEPS/sanitizer" ]; then
   SAN=$(find "$DEPS/sanitizer" -name compute-sanitizer -type f | head -n 1)
 fi
 
-# A virtual environment that sees the system's torch (outside $OUT: only results travel back);
-# DEVICE_CHECK_PYTHON=/path/to/python installs into that interpreter instead.
-if [ -n "${DEVICE_CHECK_PYTHON:-}" ]; then
-  PY=$DEVICE_CHECK_PYTHON
-  MKVENV=true
-else
-  VENV=$ROOT/build/device-venv
-  PY=$VENV/bin/python
-  MKVENV="python3 -m venv --system-site-packages $VENV"
-fi
+# moegrad is installed into its own folder on PYTHONPATH (no venv needed; the system's torch,
+# nanobind and scikit-build-core are used). DEVICE_CHECK_PYTHON picks another interpreter.
+PY=${DEVICE_CHECK_PYTHON:-python3}
+SITE=$ROOT/build/device-site  # outside $OUT: only results travel back
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
-step build 150 bash -c "$MKVENV && '$PY' -m pip install -q --no-build-isolation --no-deps \
-  ${CMAKE_DEFS[*]} -Cbuild-dir='$ROOT/build/device-wheel' '$ROOT' && cd '$OUT' && '$PY' -c \
-  'import moegrad; print(\"cuda_built\", moegrad._C.cuda_built); assert moegrad._C.cuda_built'"
+step build 150 bash -c "rm -rf '$SITE' && '$PY' -m pip install -q --no-build-isolation --no-deps \
+  --target '$SITE' ${CMAKE_DEFS[*]} -Cbuild-dir='$ROOT/build/device-wheel' '$ROOT' && \
+  cd '$OUT' && '$PY' -c \
+  'import moegrad; print(\"cuda_built\", moegrad._C.cuda_built, moegrad.__file__); assert moegrad._C.cuda_built'"
 
 step tests 130 "$PY" -m pytest "$ROOT/tests/python/test_cuda.py" -q -p no:cacheprovider \
   -k "not demo" --junitxml="$OUT/test_cuda.xml"
