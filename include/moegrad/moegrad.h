@@ -212,7 +212,7 @@ MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant_grad(
     const TensorView* grad_y, const TensorView* x, const TensorView* weight,
     const TensorView* y_origin, const TensorView* group_index, const SwigluAttrs& attrs);
 
-// ---- Init routing V2/V3 = token permutation (spec §8; D25-D31; docs/decisions.md L30-L36) ----
+// ---- Init routing V2/V3 = token permutation (spec §8; D25-D31; docs/decisions.md L30-L39) ----
 struct InitRoutingAttrs {
   int64_t active_num = 0;       // mode 0: 0 (or -1) dropless; A > 0 keeps the first min(A, R*K)
   int64_t expert_capacity = 0;  // mode 1: C >= 1 (no C <= R rule, D30)

@@ -196,3 +196,6 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     """CPU threads the kernels use."""
     return _C.get_num_threads()
+
+
+from . import nn  # noqa: E402,F401  (moegrad.nn.MoE; imports the functions above)

@@ -380,7 +380,7 @@ swiglu_group.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 # ---------------------------------------------------------------------------------------------
-# Init routing = token permutation (docs/operators.md §8; D25-D31; L30-L36)
+# Init routing = token permutation (docs/operators.md §8; D25-D31; L30-L39)
 # ---------------------------------------------------------------------------------------------
 def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag):
     """(has_range, start, end, flag): counts need E; without E and window they are off (L33)."""
@@ -401,6 +401,13 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                      active_expert_range: Optional[List[int]] = None,
                      row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     op = "moe_init_routing"
+    if x.is_cuda:
+        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
+        # not capturable in a CUDA graph; docs/cuda.md) ----
+        outs = moe_init_routing(x.cpu(), expert_idx.cpu(), active_num, expert_capacity,
+                                expert_num, drop_pad_mode, expert_tokens_num_type,
+                                expert_tokens_num_flag, active_expert_range, row_idx_type)
+        return tuple(t.to(x.device) for t in outs)
     x = x.contiguous()
     eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
@@ -440,6 +447,10 @@ def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mod
 def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
                           drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
     op = "moe_init_routing_grad"
+    if grad_expanded_x.is_cuda:
+        # ---- CUDA backend: no CUDA kernel yet; computed on the CPU (docs/cuda.md) ----
+        return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
+                                     drop_pad_mode, active_num).to(grad_expanded_x.device)
     g = grad_expanded_x.contiguous()
     idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
     (sx,) = _C.infer_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num)

@@ -34,6 +34,9 @@ TIE_TOKENS_MAX = 4       # at most this many differently routed (token, layer) p
 # (--calibrate) separate just as far (max 1.4e-2 .. 3.8e-2 in 7 runs of 400 and 1500 steps);
 # this bound is that noise floor with a margin of 2.6.
 LOSS_TOL = 1e-1          # max over all steps of |loss_moegrad - loss_reference|
+# Expert-parallel run vs the single-process run of the same global batch (--ep, --compare):
+# the same model and arithmetic, only the summation order of data-parallel gradients differs.
+EP_LOSS_TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------ data --
@@ -109,30 +112,29 @@ def route_permutation(expert_idx: torch.Tensor, n_experts: int):
     return order, row_idx, counts, tok
 
 
-class MoEFeedForward(nn.Module):
-    """DeepSeek-V3 style MoE FFN. ``impl`` is "moegrad" (fused ops) or "torch" (reference)."""
+class TorchMoE(nn.Module):
+    """The plain-PyTorch reference of the MoE FFN (DeepSeek-V3 routing), with the parameter
+    and buffer names of moegrad.nn.MoE so that state dicts move between the two."""
 
     def __init__(self, d_model, d_expert, n_experts, top_k, n_groups, topk_groups,
-                 routed_scale, bias_update, impl):
+                 routed_scale, bias_update):
         super().__init__()
-        self.impl = impl
         self.E, self.K, self.Fh = n_experts, top_k, d_expert
         self.n_groups, self.topk_groups = n_groups, topk_groups
         self.routed_scale, self.bias_update = routed_scale, bias_update
-        self.router = nn.Parameter(torch.randn(n_experts, d_model) * 0.02)
+        self.gate = nn.Parameter(torch.randn(n_experts, d_model) * 0.02)
         self.w_up = nn.Parameter(torch.randn(n_experts, d_model, 2 * d_expert) / math.sqrt(d_model))
         self.w_down = nn.Parameter(torch.randn(n_experts, d_expert, d_model)
                                    / math.sqrt(d_expert) / 2)
         # Selection bias of aux-loss-free load balancing: used for ranking only, no gradient.
-        self.register_buffer("sel_bias", torch.zeros(n_experts))
-        self.last_counts = None
-        self.last_idx = None
+        self.register_buffer("selection_bias", torch.zeros(n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts))
+        self.last_expert_idx = None
 
-    # -- routing ------------------------------------------------------------------------------
-    def _gate_torch(self, logits):
+    def _gate(self, logits):
         T, E = logits.shape
         s = torch.sigmoid(logits)
-        sel = (s + self.sel_bias).detach()
+        sel = (s + self.selection_bias).detach()
         gs = sel.view(T, self.n_groups, E // self.n_groups)
         gscore = gs.topk(2, dim=-1).values.sum(-1)                 # top-2 sum per group
         gidx = gscore.topk(self.topk_groups, dim=-1).indices
@@ -143,47 +145,45 @@ class MoEFeedForward(nn.Module):
         y = g / (g.sum(-1, keepdim=True) + 1e-20) * self.routed_scale
         return y, idx
 
-    def _gate_moegrad(self, logits):
-        y, idx, _ = moegrad.moe_gating_top_k(
-            logits, self.K, bias=self.sel_bias, k_group=self.topk_groups,
-            group_count=self.n_groups, group_select_mode=1, renorm=0, norm_type=1,
-            out_flag=False, routed_scaling_factor=self.routed_scale, eps=1e-20)
-        return y, idx.long()
-
-    # -- forward ------------------------------------------------------------------------------
     def forward(self, h):
         shape = h.shape
         h = h.reshape(-1, shape[-1])
-        R = h.shape[0]
-        logits = F.linear(h, self.router)
-        y, idx = self._gate_moegrad(logits) if self.impl == "moegrad" else self._gate_torch(logits)
+        y, idx = self._gate(F.linear(h, self.gate))
         order, row_idx, counts, tok = route_permutation(idx, self.E)
-        self.last_counts, self.last_idx = counts, idx
+        self.last_expert_idx = idx
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.float()
         xs = h[tok]
         sizes = counts.tolist()
         up = torch.cat([xe @ self.w_up[e] for e, xe in enumerate(xs.split(sizes))])
-        if self.impl == "moegrad":
-            act = moegrad.swiglu_group(up, group_index=counts)
-        else:
-            act = F.silu(up[:, :self.Fh]) * up[:, self.Fh:]
+        act = F.silu(up[:, :self.Fh]) * up[:, self.Fh:]
         expanded = torch.cat([ae @ self.w_down[e] for e, ae in enumerate(act.split(sizes))])
-        if self.impl == "moegrad":
-            out = moegrad.moe_finalize_routing(expanded, row_idx, scales=y, drop_pad_mode=0,
-                                               k=self.K)
-        else:
-            scale = y.t().reshape(-1)[order]
-            out = torch.zeros_like(h).index_add_(0, tok, expanded * scale[:, None])
+        scale = y.t().reshape(-1)[order]
+        out = torch.zeros_like(h).index_add_(0, tok, expanded * scale[:, None])
         return out.reshape(shape)
 
     @torch.no_grad()
     def update_bias(self):
         """Aux-loss-free balancing: push under-loaded experts up, over-loaded ones down."""
-        load = self.last_counts.float()
-        self.sel_bias += self.bias_update * torch.sign(load.mean() - load)
+        load = self.tokens_per_expert.clone()
+        self.selection_bias += self.bias_update * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+
+def moe_ffn(cfg, impl, ep_group=None):
+    """The MoE FFN of one block: moegrad.nn.MoE ("moegrad") or its plain-PyTorch twin."""
+    if impl == "moegrad":
+        return moegrad.nn.MoE(cfg.d_model, cfg.d_expert, cfg.experts, cfg.top_k, score="sigmoid",
+                              n_group=cfg.groups, topk_group=cfg.topk_groups,
+                              routed_scaling_factor=cfg.routed_scale,
+                              bias_update_speed=cfg.bias_update, ep_group=ep_group)
+    return TorchMoE(cfg.d_model, cfg.d_expert, cfg.experts, cfg.top_k, cfg.groups,
+                    cfg.topk_groups, cfg.routed_scale, cfg.bias_update)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, impl):
+    def __init__(self, cfg, impl, ep_group=None):
         super().__init__()
         d = cfg.d_model
         self.n_heads = cfg.n_heads
@@ -191,8 +191,7 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
         self.norm2 = nn.RMSNorm(d)
-        self.moe = MoEFeedForward(d, cfg.d_expert, cfg.experts, cfg.top_k, cfg.groups,
-                                  cfg.topk_groups, cfg.routed_scale, cfg.bias_update, impl)
+        self.moe = moe_ffn(cfg, impl, ep_group)
 
     def forward(self, x):
         B, S, D = x.shape
@@ -205,30 +204,34 @@ class Block(nn.Module):
 
 
 class TinyMoELM(nn.Module):
-    def __init__(self, cfg, impl):
+    def __init__(self, cfg, impl, ep_group=None):
         super().__init__()
         self.tok = nn.Embedding(256, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq, cfg.d_model)
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos.weight, std=0.02)
-        self.blocks = nn.ModuleList([Block(cfg, impl) for _ in range(cfg.layers)])
+        self.blocks = nn.ModuleList([Block(cfg, impl, ep_group) for _ in range(cfg.layers)])
         self.norm = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, 256, bias=False)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, loss_denominator=None):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
             x = b(x)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+        if loss_denominator is None:
+            return F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+        # A share of a global mean (expert parallelism: the ranks' shares add up to it).
+        return F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1),
+                               reduction="sum") / loss_denominator
 
     def moe_layers(self):
         return [b.moe for b in self.blocks]
 
     def moe_params(self):
-        return [p for m in self.moe_layers() for p in (m.router, m.w_up, m.w_down)]
+        return [p for m in self.moe_layers() for p in (m.gate, m.w_up, m.w_down)]
 
 
 # -------------------------------------------------------------------------------- training --
@@ -314,6 +317,13 @@ def parse_args(argv):
     o.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch and moegrad (0: leave as is)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: run under torchrun --nproc-per-node N; each "
+                        "rank holds experts/N experts and batch/N sequences of the same global "
+                        "batch (moegrad model only, no side-by-side reference)")
+    o.add_argument("--compare", default=None, metavar="JSON",
+                   help="the JSON of another run: fail unless every step's loss matches it "
+                        f"within {EP_LOSS_TOL:g}")
     o.add_argument("--sample", type=int, default=160,
                    help="bytes of text to sample from the moegrad model at the end (0: none)")
     a = p.parse_args(argv)
@@ -332,6 +342,8 @@ def parse_args(argv):
         p.error("--check-every must be >= 1")
     if a.seq < 1 or a.batch < 1:
         p.error("--seq and --batch must be >= 1")
+    if a.ep < 1 or a.batch % a.ep or a.experts % a.ep:
+        p.error("--ep must be >= 1 and divide --batch and --experts")
     return a
 
 
@@ -354,7 +366,8 @@ def routing_mismatch(model_a, model_b):
     """Number of (token, layer) pairs whose selected expert sets differ in the last forward."""
     n = 0
     for ma, mb in zip(model_a.moe_layers(), model_b.moe_layers()):
-        same = (ma.last_idx.sort(-1).values == mb.last_idx.sort(-1).values).all(-1)
+        same = (ma.last_expert_idx.long().sort(-1).values
+                == mb.last_expert_idx.long().sort(-1).values).all(-1)
         n += int((~same).sum())
     return n
 
@@ -464,7 +477,7 @@ def build_models(args, device):
         # A one-ulp relative nudge of every initial weight: the smallest possible difference.
         g = torch.Generator().manual_seed(args.seed + 3)
         for k, v in state.items():
-            if v.is_floating_point() and "sel_bias" not in k:
+            if v.is_floating_point() and "selection_bias" not in k and "tokens_per" not in k:
                 sign = torch.randint(0, 2, v.shape, generator=g).to(v.dtype) * 2 - 1
                 state[k] = v * (1 + sign * 2.0 ** -23)
     other.load_state_dict(state)
@@ -505,6 +518,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         moegrad.set_num_threads(args.threads)
     try:
+        if args.ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return _run_ep(args, device)
         return _run(args, device)
     except moegrad.MoeError as e:
         if device != "cuda":
@@ -692,6 +707,8 @@ def _run(args, device) -> int:
         for r in reasons:
             print(f"    - {r}", file=out)
 
+    if args.compare:
+        ok = _compare(args.compare, loss_mg, result, out) and ok
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -700,6 +717,101 @@ def _run(args, device) -> int:
         write_plot(args.plot, loss_mg, loss_ref, label, first_mismatch)
         print(f"  wrote {args.plot} (loss curves)", file=out)
     return 0 if ok else 1
+
+
+def _compare(path, losses, result, out) -> bool:
+    """Step-by-step loss comparison with another run's JSON (--compare)."""
+    with open(path) as f:
+        other = json.load(f)["losses"]
+    n = min(len(other), len(losses))
+    diffs = [abs(a - b) for a, b in zip(losses[:n], other[:n])]
+    worst = _nanmax(diffs) if diffs else float("nan")
+    ok = n == len(losses) == len(other) and worst <= EP_LOSS_TOL
+    result["compare"] = {"path": path, "steps": n, "max_abs_loss_diff": worst,
+                         "tolerance": EP_LOSS_TOL, "passed": bool(ok)}
+    print(f"  vs {path}: max |loss diff| over {n} steps {worst:.2e} (tolerance "
+          f"{EP_LOSS_TOL:g}): {'PASS' if ok else 'FAIL'}", file=out)
+    return ok
+
+
+def _run_ep(args, device) -> int:
+    """Expert-parallel training under torchrun: experts split over the ranks, each rank trains
+    on its slice of the same global batch; the loss is the global mean (rank 0 reports)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.ep:
+        print(f"moegrad.demo: --ep {args.ep} needs torchrun --nproc-per-node {args.ep} "
+              f"(WORLD_SIZE is {world})", file=sys.stderr)
+        return 2
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            device = f"cuda:{torch.cuda.current_device()}"
+        data = load_text(args.data)
+        batches = Batches(data, args.batch, args.seq, args.seed)
+        # The single-process initialisation (same seed, same draws), then this rank's experts.
+        ref, _ = build_models(args, "cpu")
+        state = ref.state_dict()
+        mg = TinyMoELM(args, "moegrad", ep_group=dist.group.WORLD)
+        El = args.experts // world
+        for k in list(state):
+            if k.endswith(".w_up") or k.endswith(".w_down"):
+                state[k] = state[k][rank * El:(rank + 1) * El].clone()
+        mg.load_state_dict(state)
+        mg = mg.to(device)
+        opt = torch.optim.AdamW(mg.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                weight_decay=0.01)
+        B = args.batch // world
+        denom = float(args.batch * args.seq)
+        losses = []
+        t_train = 0.0
+        bar = Progress(args.steps, enabled=not args.quiet and rank == 0)
+        for step in range(args.steps):
+            x, t = batches.next()
+            x = x[rank * B:(rank + 1) * B].to(device)
+            t = t[rank * B:(rank + 1) * B].to(device)
+            t0 = time.perf_counter()
+            mg.zero_grad(set_to_none=True)
+            loss = mg(x, t, loss_denominator=denom)
+            loss.backward()
+            moegrad.nn.all_reduce_non_expert_grads(mg)
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            opt_step(mg, opt, lr_at(step, args))
+            if step > 0 or args.steps == 1:
+                t_train += time.perf_counter() - t0
+            losses.append(float(total))
+            bar.update(step, f"loss {losses[-1]:.3f}")
+        if rank != 0:
+            return 0
+        timed = max(args.steps - 1, 1)
+        result = {
+            "steps": args.steps, "ep": world, "loss_first": losses[0], "loss_last": losses[-1],
+            "loss_last10_mean": sum(losses[-10:]) / len(losses[-10:]),
+            "tokens_per_s_moegrad": args.batch * args.seq * timed / t_train
+            if t_train > 0 else float("nan"),
+            "passed": True, "failures": [], "losses": losses, "args": vars(args),
+        }
+        out = sys.stdout
+        print(f"\n  expert-parallel run: {world} ranks x {El} experts, global batch "
+              f"{args.batch}x{args.seq}", file=out)
+        print(f"  loss, step 0 {losses[0]:.6f}; step {args.steps - 1} {losses[-1]:.6f}; "
+              f"{result['tokens_per_s_moegrad']:,.0f} tokens/s", file=out)
+        ok = True
+        if args.compare:
+            ok = _compare(args.compare, losses, result, out)
+            result["passed"] = ok
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        if args.plot:
+            write_plot(args.plot, losses, losses, f"moegrad, {world} expert-parallel ranks")
+        return 0 if ok else 1
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

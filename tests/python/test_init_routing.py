@@ -1,4 +1,4 @@
-"""moe_init_routing / moe_init_routing_grad (docs/operators.md §8; decisions D25-D31, L30-L36).
+"""moe_init_routing / moe_init_routing_grad (docs/operators.md §8; decisions D25-D31, L30-L39).
 
 Numbers against the independent float64 reference (reference.py) and the worked example of
 §8.12; every validation rule with its status code and nothing written on failure; autograd,

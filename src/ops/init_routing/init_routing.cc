@@ -1,5 +1,5 @@
 // Validation, shape inference and planning of init routing and its grad (docs/operators.md
-// §8.6, §8.8, §8.9; docs/decisions.md D25-D31, L30-L36).
+// §8.6, §8.8, §8.9; docs/decisions.md D25-D31, L30-L39).
 #include "ops/init_routing/init_routing.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // Init routing (token permutation) forward and grad: parameters, validation, shape inference and
-// workspace plan (no kernels). docs/operators.md §8; docs/decisions.md D25-D31, L30-L36.
+// workspace plan (no kernels). docs/operators.md §8; docs/decisions.md D25-D31, L30-L39.
 #ifndef MOEGRAD_OPS_INIT_ROUTING_H_
 #define MOEGRAD_OPS_INIT_ROUTING_H_
 

@@ -1,0 +1,313 @@
+"""moegrad.nn.MoE: a Mixture-of-Experts feed-forward layer on moegrad's fused operators.
+
+router (moe_gating_top_k) -> moe_init_routing -> per-expert SwiGLU MLPs (stacked weights, a
+grouped GEMM where torch has one, swiglu_group) -> moe_finalize_routing with the routing
+weights. Optional: shared experts, capacity (drop/pad), the aux-loss-free selection-bias update
+(DeepSeek-V3), a Switch-style load-balancing loss, a clamp limit (GPT-OSS) and expert
+parallelism over a torch.distributed process group. docs/layer.md describes it; the choices it
+makes are docs/decisions.md L37-L39.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
+
+__all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
+
+
+# ------------------------------------------------------------------------------ expert GEMMs --
+def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
+    """torch._grouped_mm serves this call: it exists, strides are 16-byte multiples, and the
+    device/dtype is one it supports (CUDA: bf16 on sm90+; CPU: any float in eager mode, bf16
+    under torch.compile, whose shape function only knows bf16)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    es = x.element_size()
+    if (x.shape[-1] * es) % 16 or (w.shape[-1] * es) % 16:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if x.dtype == torch.bfloat16:
+        return True
+    return not torch.compiler.is_compiling()
+
+
+@torch.compiler.disable
+def _per_expert_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """One GEMM per expert on its contiguous slice of rows. The slice sizes are read on the host,
+    so torch.compile breaks the graph here (and only here, outside the moegrad ops)."""
+    sizes = counts.tolist()
+    outs = [xe @ w[e] for e, xe in enumerate(x.split(sizes))]
+    if not outs:
+        return x.new_zeros((0, w.shape[-1]))
+    return torch.cat(outs)
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B]."""
+    if _grouped_mm_ok(x, w) and x.shape[0] > 0:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    return _per_expert_mm(x, w, counts)
+
+
+# -------------------------------------------------------------------- expert-parallel comms --
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single whose backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: List[int], in_splits: List[int], group):
+        import torch.distributed as dist
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+        g = g.contiguous()
+        out = g.new_empty((sum(ctx.in_splits),) + tuple(g.shape[1:]))
+        dist.all_to_all_single(out, g, ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+# -------------------------------------------------------------------------------- the layer --
+class MoE(nn.Module):
+    """A routed-expert SwiGLU feed-forward layer.
+
+    Arguments (api.md): hidden H, ffn_hidden F (per expert), num_experts E, top_k K; score
+    "sigmoid" (DeepSeek-V3: sigmoid scores, selection bias, weights renormalised over the K) or
+    "softmax" (Qwen3/Mixtral/GPT-OSS: softmax, top-k weights renormalised); n_group /
+    topk_group: expert groups and how many each token may use; routed_scaling_factor;
+    clamp_limit (-1 off, else the GPT-OSS SwiGLU clamp); capacity_factor (None: dropless, else
+    each expert keeps ceil(capacity_factor * T * K / E) rows, drop/pad); ep_group: a
+    torch.distributed process group over which the experts are split (E / world size each).
+    Extras: shared_experts (dense SwiGLU MLPs of width shared_experts * F on every token),
+    bias_update_speed (aux-loss-free balancing step, applied by update_bias()), aux_loss_coef
+    (Switch-style loss E * sum_e f_e * P_e, exposed as .aux_loss after each forward).
+
+    forward(x [T, H] or [B, S, H]) -> same shape and dtype.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, *,
+                 score: str = "sigmoid", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, clamp_limit: float = -1.0,
+                 capacity_factor: Optional[float] = None, ep_group=None,
+                 shared_experts: int = 0, bias_update_speed: float = 0.0,
+                 aux_loss_coef: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        if score not in ("sigmoid", "softmax"):
+            raise ValueError(f"MoE: score must be 'sigmoid' or 'softmax'; got {score!r}")
+        if num_experts % n_group:
+            raise ValueError(f"MoE: num_experts ({num_experts}) must be a multiple of n_group "
+                             f"({n_group})")
+        self.hidden, self.ffn_hidden = hidden, ffn_hidden
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score, self.n_group, self.topk_group = score, n_group, topk_group
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.clamp_limit = float(clamp_limit)
+        self.capacity_factor = capacity_factor
+        self.ep_group = ep_group
+        self.bias_update_speed = float(bias_update_speed)
+        self.aux_loss_coef = float(aux_loss_coef)
+        self.ep_size, self.ep_rank = 1, 0
+        if ep_group is not None:
+            import torch.distributed as dist
+            self.ep_size = dist.get_world_size(ep_group)
+            self.ep_rank = dist.get_rank(ep_group)
+            if num_experts % self.ep_size:
+                raise ValueError(f"MoE: num_experts ({num_experts}) must be a multiple of the "
+                                 f"expert-parallel size ({self.ep_size})")
+            if capacity_factor is not None:
+                raise NotImplementedError("MoE: capacity_factor with ep_group is not supported "
+                                          "(docs/decisions.md L39)")
+        self.num_local_experts = num_experts // self.ep_size
+        self.expert_start = self.ep_rank * self.num_local_experts
+        fk = dict(device=device, dtype=dtype)
+        El = self.num_local_experts
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden, **fk))
+        self.w_up = nn.Parameter(torch.empty(El, hidden, 2 * ffn_hidden, **fk))
+        self.w_down = nn.Parameter(torch.empty(El, ffn_hidden, hidden, **fk))
+        self.w_up._moegrad_expert = True
+        self.w_down._moegrad_expert = True
+        self.shared_hidden = shared_experts * ffn_hidden
+        if shared_experts:
+            self.shared_up = nn.Parameter(torch.empty(hidden, 2 * self.shared_hidden, **fk))
+            self.shared_down = nn.Parameter(torch.empty(self.shared_hidden, hidden, **fk))
+        else:
+            self.register_parameter("shared_up", None)
+            self.register_parameter("shared_down", None)
+        # Selection bias (sigmoid scores only): ranking only, no gradient (DeepSeek-V3).
+        self.register_buffer("selection_bias", torch.zeros(num_experts, dtype=torch.float32,
+                                                           device=device))
+        # Tokens per expert since the last update_bias() (this process's tokens).
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32,
+                                                              device=device))
+        self.aux_loss: Optional[Tensor] = None
+        self.last_expert_idx: Optional[Tensor] = None   # [T, K] of the last forward
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: Optional[torch.Generator] = None):
+        """Router N(0, 0.02); expert and shared weights N(0, 1/fan_in)."""
+        with torch.no_grad():
+            self.gate.normal_(0.0, 0.02, generator=generator)
+            self.w_up.normal_(0.0, 1.0 / math.sqrt(self.hidden), generator=generator)
+            self.w_down.normal_(0.0, 1.0 / math.sqrt(self.ffn_hidden), generator=generator)
+            if self.shared_up is not None:
+                self.shared_up.normal_(0.0, 1.0 / math.sqrt(self.hidden), generator=generator)
+                self.shared_down.normal_(0.0, 1.0 / math.sqrt(self.shared_hidden),
+                                         generator=generator)
+
+    # -- routing ----------------------------------------------------------------------------
+    def route(self, x: Tensor):
+        """(weights [T, K] fp32, expert_idx [T, K] int32, scores [T, E] fp32 or None)."""
+        logits = F.linear(x, self.gate).float()
+        sigmoid = self.score == "sigmoid"
+        want_scores = self.aux_loss_coef > 0 and self.training
+        y, idx, norm = _mg.moe_gating_top_k(
+            logits, self.top_k, bias=self.selection_bias if sigmoid else None,
+            k_group=self.topk_group, group_count=self.n_group,
+            group_select_mode=1 if sigmoid else 0, renorm=0 if sigmoid else 1,
+            norm_type=1 if sigmoid else 0, out_flag=want_scores,
+            routed_scaling_factor=self.routed_scaling_factor)
+        return y, idx, (norm if want_scores else None)
+
+    # -- experts ------------------------------------------------------------------------------
+    def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
+        up = grouped_mm(rows, self.w_up, counts)
+        act = _mg.swiglu_group(up, group_index=counts, clamp_limit=self.clamp_limit)
+        return grouped_mm(act, self.w_down, counts)
+
+    def _experts_padded(self, rows: Tensor) -> Tensor:
+        """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""
+        up = torch.bmm(rows, self.w_up)
+        act = _mg.swiglu_group(up, clamp_limit=self.clamp_limit)
+        return torch.bmm(act, self.w_down)
+
+    def _shared(self, x: Tensor) -> Optional[Tensor]:
+        if self.shared_up is None:
+            return None
+        return _mg.swiglu_group(x @ self.shared_up, clamp_limit=self.clamp_limit) @ self.shared_down
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        if x.dim() not in (2, 3) or shape[-1] != self.hidden:
+            raise ValueError(f"MoE: input must be [T, {self.hidden}] or [B, S, {self.hidden}]; "
+                             f"got {list(shape)}")
+        x = x.reshape(-1, self.hidden)
+        T, E, K = x.shape[0], self.num_experts, self.top_k
+        weights, idx, scores = self.route(x)
+        self.last_expert_idx = idx.detach()
+        if self.capacity_factor is not None:
+            cap = max(1, math.ceil(self.capacity_factor * T * K / E))
+            ex, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E, drop_pad_mode=1,
+                                                   expert_capacity=cap)
+            out_rows = self._experts_padded(ex)
+            mode = 3
+        else:
+            ex, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
+            if self.ep_group is None:
+                out_rows = self._experts(ex, counts)
+            else:
+                out_rows = self._expert_parallel(ex, counts)
+            mode = 2
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.float()
+        if scores is not None:
+            # Switch: E * sum_e f_e * P_e (f: routed fraction, no gradient; P: mean score).
+            f = counts.float() / max(T * K, 1)
+            p = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+            self.aux_loss = self.aux_loss_coef * E * (f * p.mean(0)).sum()
+        else:
+            self.aux_loss = None
+        y = _mg.moe_finalize_routing(out_rows, row_idx, x1=self._shared(x), scales=weights,
+                                 drop_pad_mode=mode, k=K)
+        return y.reshape(shape)
+
+    # -- expert parallelism -----------------------------------------------------------------
+    def _expert_parallel(self, ex: Tensor, counts: Tensor) -> Tensor:
+        """Rows sorted by global expert -> owners -> local experts -> back, in the same order."""
+        import torch.distributed as dist
+        W, El, g = self.ep_size, self.num_local_experts, self.ep_group
+        # counts [E] -> per destination rank [W, El]; exchange so each rank learns how many rows
+        # of each of its experts every source rank sends.
+        send_counts = counts.reshape(W, El).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=g)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        recv = all_to_all(ex, out_splits, in_splits, g)        # [sum recv, H], by source rank
+        # Received rows are grouped by (source rank, local expert): regroup by local expert with
+        # a second, K = 1 permutation (stable, so the source order is kept within an expert).
+        local_ids = torch.repeat_interleave(
+            torch.arange(El, device=ex.device).repeat(W), recv_counts.reshape(-1))
+        rows, idx2, counts2 = _mg.moe_init_routing(recv, local_ids.to(torch.int32).unsqueeze(1),
+                                               expert_num=El)
+        out = self._experts(rows, counts2)
+        back = _mg.moe_finalize_routing(out, idx2, drop_pad_mode=2, k=1)   # receive order again
+        return all_to_all(back, in_splits, out_splits, g)      # [T*K, H] in local sorted order
+
+    # -- load balancing ---------------------------------------------------------------------
+    @torch.no_grad()
+    def update_bias(self):
+        """Aux-loss-free balancing (DeepSeek-V3): selection_bias += speed * sign(mean - load)
+        with the load counted since the last call (summed over ep_group); resets the count."""
+        load = self.tokens_per_expert.clone()
+        if self.ep_group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(load, group=self.ep_group)
+        if self.bias_update_speed > 0 and self.score == "sigmoid":
+            self.selection_bias += self.bias_update_speed * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, score={self.score!r}, "
+                f"n_group={self.n_group}, topk_group={self.topk_group}, "
+                f"local_experts={self.num_local_experts}, shared={self.shared_hidden}")
+
+
+# ----------------------------------------------------------------------- data parallel help --
+def expert_parameters(module: nn.Module):
+    """Parameters that live on one expert-parallel rank only (MoE.w_up / w_down)."""
+    return [p for p in module.parameters() if getattr(p, "_moegrad_expert", False)]
+
+
+def non_expert_parameters(module: nn.Module):
+    return [p for p in module.parameters() if not getattr(p, "_moegrad_expert", False)]
+
+
+@torch.no_grad()
+def all_reduce_non_expert_grads(module: nn.Module, group=None, op: str = "sum"):
+    """Data-parallel gradients of the non-expert parameters: all-reduce (sum, or mean) over
+    `group`. Expert gradients already hold every rank's tokens (the all-to-all backward), so
+    they are left alone. With a loss normalised by the GLOBAL token count, "sum" reproduces the
+    single-process gradients exactly (up to summation order)."""
+    import torch.distributed as dist
+    grads = [p.grad for p in non_expert_parameters(module) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if op == "mean":
+        flat /= dist.get_world_size(group)
+    off = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[off:off + n].view_as(g))
+        off += n

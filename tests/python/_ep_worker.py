@@ -1,0 +1,43 @@
+"""One rank of the expert-parallel test (test_ep.py): python _ep_worker.py RANK WORLD DIR.
+
+Reads DIR/case.pt (layer config, full state dict, global input, upstream gradient, token split),
+runs moegrad.nn.MoE with ep_group = the gloo world on its share of the tokens, all-reduces the
+non-expert gradients and writes DIR/rank{RANK}.pt (outputs and gradients).
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+import moegrad  # noqa: F401
+from moegrad.nn import MoE, all_reduce_non_expert_grads
+
+
+def main():
+    rank, world, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=rank,
+                            world_size=world)
+    case = torch.load(f"{d}/case.pt")
+    results = []
+    for c in case:
+        m = MoE(*c["args"], ep_group=dist.group.WORLD, **c["kwargs"])
+        El = m.num_local_experts
+        sd = dict(c["state"])
+        for n in ("w_up", "w_down"):
+            sd[n] = sd[n][rank * El:(rank + 1) * El]
+        m.load_state_dict(sd)
+        lo, hi = c["splits"][rank], c["splits"][rank + 1]
+        x = c["x"][lo:hi].clone().requires_grad_(True)
+        y = m(x)
+        (y * c["up"][lo:hi]).sum().backward()
+        all_reduce_non_expert_grads(m)
+        m.update_bias()
+        results.append(dict(y=y.detach(), x_grad=x.grad,
+                            grads={n: p.grad for n, p in m.named_parameters()},
+                            bias=m.selection_bias.clone()))
+    torch.save(results, f"{d}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""moegrad.nn.MoE against an independent plain-PyTorch float64 MoE written here.
+
+Routing (sigmoid + selection bias + groups, or softmax), dropless and capacity (drop/pad)
+dispatch, SwiGLU experts with clamp, shared experts, the Switch aux loss and the aux-loss-free
+bias update; outputs and every parameter gradient; torch.compile.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moegrad
+from moegrad.nn import MoE
+
+
+def ref_route(x, gate, bias, score, n_group, topk_group, K, rsf):
+    logits = x @ gate.t()
+    T, E = logits.shape
+    s = torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, -1)
+    sel = s.detach() + (bias.double() if score == "sigmoid" else 0.0)
+    if n_group > 1:
+        g = sel.view(T, n_group, E // n_group)
+        gs = g.topk(2, -1).values.sum(-1) if score == "sigmoid" else g.max(-1).values
+        keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(topk_group, -1).indices,
+                                                               True)
+        sel = sel.masked_fill(~keep.repeat_interleave(E // n_group, 1), float("-inf"))
+    idx = sel.topk(K, -1).indices
+    w = s.gather(1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * rsf
+    return w, idx, s
+
+
+def ref_swiglu(h, F_, clamp):
+    a, b = h[..., :F_], h[..., F_:]
+    if clamp > 0:
+        a, b = a.clamp(max=clamp), b.clamp(-clamp, clamp)
+    return F.silu(a) * b
+
+
+def ref_moe(m: MoE, x, capacity_factor=None):
+    """float64, token by token over its K choices (no permutation at all)."""
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    x = x.double().reshape(-1, m.hidden)
+    gate, up, down = d(m.gate), d(m.w_up), d(m.w_down)
+    w, idx, s = ref_route(x, gate, m.selection_bias, m.score, m.n_group, m.topk_group, m.top_k,
+                          m.routed_scaling_factor)
+    T, K, E, F_ = x.shape[0], m.top_k, m.num_experts, m.ffn_hidden
+    keep = torch.ones(T, K, dtype=torch.bool)
+    if capacity_factor is not None:
+        cap = max(1, math.ceil(capacity_factor * T * K / E))
+        seen = [0] * E
+        for t in range(T):           # slot order t*K + k: lower tokens win (docs §8.5)
+            for k in range(K):
+                e = int(idx[t, k])
+                keep[t, k] = seen[e] < cap
+                seen[e] += 1
+    out = torch.zeros_like(x)
+    for t in range(T):
+        for k in range(K):
+            if keep[t, k]:
+                e = int(idx[t, k])
+                out[t] = out[t] + w[t, k] * (ref_swiglu(x[t] @ up[e], F_, m.clamp_limit) @ down[e])
+    if m.shared_up is not None:
+        out = out + ref_swiglu(x @ d(m.shared_up), m.shared_hidden, m.clamp_limit) @ d(m.shared_down)
+    counts = torch.bincount(idx.reshape(-1), minlength=E).double()
+    aux = None
+    if m.aux_loss_coef > 0:
+        p = s / s.sum(-1, keepdim=True)
+        aux = m.aux_loss_coef * E * ((counts / (T * K)) * p.mean(0)).sum()
+    return out, idx, aux
+
+
+def _clone_params_f64(m):
+    return {n: p.detach().double().clone().requires_grad_(True) for n, p in m.named_parameters()}
+
+
+CONFIGS = [
+    dict(score="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5),
+    dict(score="softmax"),
+    dict(score="softmax", n_group=2, topk_group=1, clamp_limit=0.7),
+    dict(score="sigmoid", shared_experts=2, aux_loss_coef=0.1),
+    dict(score="softmax", capacity_factor=0.8, shared_experts=1),
+    dict(score="sigmoid", capacity_factor=4.0),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[str(i) for i in range(len(CONFIGS))])
+def test_layer_matches_float64_reference(cfg, seed):
+    torch.manual_seed(seed)
+    H, F_, E, K = 12, 8, 8, 2
+    m = MoE(H, F_, E, K, **cfg)
+    if cfg.get("score") == "sigmoid":
+        m.selection_bias.copy_(torch.randn(E) * 0.05)
+    x = torch.randn(3, 7, H, requires_grad=True)
+    y = m(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    up = torch.randn_like(y)
+    loss = (y * up).sum() + (m.aux_loss if m.aux_loss is not None else 0.0)
+    loss.backward()
+
+    # The reference, with the same weights in float64 (leaf copies so gradients can be compared).
+    ref = MoE(H, F_, E, K, **cfg).double()
+    ref.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    xr = x.detach().double().requires_grad_(True)
+    yr, idx_r, aux_r = ref_moe(ref, xr, cfg.get("capacity_factor"))
+    lr = (yr * up.double().reshape(-1, H)).sum() + (aux_r if aux_r is not None else 0.0)
+    lr.backward()
+    _, idx_m, _ = m.route(x.detach().reshape(-1, H))
+    assert torch.equal(idx_m.long().sort(-1).values, idx_r.sort(-1).values), "routing differs"
+    tol = dict(rtol=1e-4, atol=1e-5)
+    assert torch.allclose(y.double().reshape(-1, H), yr, **tol)
+    if aux_r is not None:
+        assert float(m.aux_loss.detach()) == pytest.approx(float(aux_r.detach()), rel=1e-5)
+    assert torch.allclose(x.grad.double(), xr.grad, **tol), "x.grad"
+    for (n, p), (_, pr) in zip(m.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, n
+        scale = float(pr.grad.abs().max()) + 1e-12
+        err = float((p.grad.double() - pr.grad).abs().max())
+        assert err <= 1e-4 * scale + 1e-6, f"{n}: max err {err:.3e} vs scale {scale:.3e}"
+
+
+def test_zero_tokens_and_2d_input():
+    m = MoE(8, 4, 4, 2)
+    x = torch.zeros(0, 8, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 8)
+    assert torch.equal(m.w_up.grad, torch.zeros_like(m.w_up))
+
+
+def test_bf16_layer_close_to_fp32(seed):
+    torch.manual_seed(seed)
+    m = MoE(32, 16, 8, 2, score="softmax")
+    x = torch.randn(64, 32)
+    y32 = m(x)
+    mb = MoE(32, 16, 8, 2, score="softmax").to(torch.bfloat16)
+    mb.load_state_dict(m.state_dict())
+    yb = mb(x.bfloat16())
+    assert yb.dtype == torch.bfloat16
+    rel = float((yb.float() - y32).norm() / y32.norm())
+    assert rel < 3e-2, rel
+
+
+def test_aux_loss_free_bias_update():
+    torch.manual_seed(0)
+    m = MoE(8, 4, 4, 1, bias_update_speed=0.01)
+    m.gate.data.zero_()
+    m.gate.data[0] += 1.0                       # expert 0 takes every token with x > 0
+    x = torch.ones(10, 8)
+    m(x)
+    assert m.tokens_per_expert.tolist() == [10.0, 0.0, 0.0, 0.0]
+    m.update_bias()
+    assert m.selection_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+    assert m.tokens_per_expert.sum() == 0
+
+
+def test_torch_compile_matches_eager(seed):
+    torch.manual_seed(seed)
+    for cfg in (dict(), dict(capacity_factor=2.0)):
+        m = MoE(16, 8, 4, 2, **cfg)
+        x = torch.randn(20, 16, requires_grad=True)
+        y = m(x)
+        y.square().sum().backward()
+        gx, gw = x.grad.clone(), m.w_up.grad.clone()
+        x.grad = None
+        m.zero_grad()
+        yc = torch.compile(m, backend="eager")(x)
+        yc.square().sum().backward()
+        assert torch.allclose(yc, y, atol=1e-6) and torch.allclose(x.grad, gx, atol=1e-5)
+        assert torch.allclose(m.w_up.grad, gw, atol=1e-5)
+
+
+def test_capacity_mode_compiles_without_graph_break():
+    m = MoE(16, 8, 4, 2, capacity_factor=1.5)
+    explain = torch._dynamo.explain(m)(torch.randn(12, 16))
+    assert explain.graph_break_count == 0, explain.break_reasons
+
+
+def test_arguments_checked():
+    with pytest.raises(ValueError):
+        MoE(8, 4, 6, 2, n_group=4)
+    with pytest.raises(ValueError):
+        MoE(8, 4, 4, 2, score="relu")
+    with pytest.raises(ValueError):
+        MoE(8, 4, 4, 2)(torch.randn(3, 7))
