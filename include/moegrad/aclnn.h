@@ -71,7 +71,18 @@ typedef enum {
   ACL_STRING = 13,
   ACL_COMPLEX64 = 16,
   ACL_COMPLEX128 = 17,
-  ACL_BF16 = 27
+  ACL_BF16 = 27,
+  ACL_INT4 = 29,
+  ACL_UINT1 = 30,
+  ACL_COMPLEX32 = 33,
+  ACL_HIFLOAT8 = 34,
+  ACL_FLOAT8_E5M2 = 35,
+  ACL_FLOAT8_E4M3FN = 36,
+  ACL_FLOAT8_E8M0 = 37,
+  ACL_FLOAT6_E3M2 = 38,
+  ACL_FLOAT6_E2M3 = 39,
+  ACL_FLOAT4_E2M1 = 40,
+  ACL_FLOAT4_E1M2 = 41
 } aclDataType;
 
 typedef enum {
@@ -196,6 +207,24 @@ MOEGRAD_C_API aclnnStatus aclnnSwigluGroupGetWorkspaceSize(
     double clampLimit, const aclTensor* yOut, uint64_t* workspaceSize, aclOpExecutor** executor);
 MOEGRAD_C_API aclnnStatus aclnnSwigluGroup(void* workspace, uint64_t workspaceSize,
                                            aclOpExecutor* executor, aclrtStream stream);
+
+/* ---- SwigluGroupQuant (§6, D24). x [...,2H] fp32/fp16/bf16 (rank 2..8), weightOptional fp32
+ * numel T, groupIndexOptional [G] int64, scaleOptional must be NULL (HiFloat8 only).
+ * dstType ACL_FLOAT8_E4M3FN (36) or ACL_FLOAT8_E5M2 (35); quantMode 0 (FP8, blocks of 128 along
+ * H, fp32 scales [...,ceil(H/128)], roundScale optional) or 1 (MX, blocks of 32, roundScale true,
+ * ACL_FLOAT8_E8M0 scales [...,ceil(ceil(H/32)/2),2]); blockSize 0 or the mode's size;
+ * dstTypeMax ignored. yOut [...,H] in dstType; yOriginOut [...,H] x dtype when outputOrigin
+ * (the weighted SwiGLU before quantisation), ignored (may be NULL) otherwise. ACL_UINT8 tensors
+ * are accepted as storage for yOut and the e8m0 scales. HiFloat8 (quantMode 2/3, dstType 34)
+ * and FP4 (40/41): 161002 "not supported". */
+MOEGRAD_C_API aclnnStatus aclnnSwigluGroupQuantGetWorkspaceSize(
+    const aclTensor* x, const aclTensor* weightOptional, const aclTensor* groupIndexOptional,
+    const aclTensor* scaleOptional, int64_t dstType, int64_t quantMode, int64_t blockSize,
+    bool roundScale, double clampLimit, double dstTypeMax, bool outputOrigin,
+    const aclTensor* yOut, const aclTensor* yScaleOut, const aclTensor* yOriginOut,
+    uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnSwigluGroupQuant(void* workspace, uint64_t workspaceSize,
+                                                aclOpExecutor* executor, aclrtStream stream);
 
 /* ---- MoeInitRoutingV2 (docs/operators.md §8.1-§8.7; decisions D25-D31). Token permutation:
  * x [R,H] fp32/fp16/bf16, expertIdx [R,K] int32; dropPadMode 0: expandedXOut [R*K,H] (or

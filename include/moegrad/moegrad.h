@@ -53,6 +53,11 @@ enum class DType : int32_t {
   kInt32 = 3,
   kInt64 = 9,
   kBFloat16 = 27,
+  kUInt8 = 4,           // raw bytes: storage of FP8 / e8m0 outputs where a framework lacks them
+  kHiFloat8 = 34,       // named in errors only (no operator takes it)
+  kFloat8E5M2 = 35,
+  kFloat8E4M3FN = 36,
+  kFloat8E8M0 = 37,     // MX scales: an unsigned power-of-two exponent, bias 127
   kOther = -2,  // any type no operator accepts (reported by name in errors)
 };
 
@@ -211,6 +216,34 @@ MOEGRAD_API ExecutorPtr plan_swiglu_group_quant_grad(const TensorView* grad_y, c
 MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant_grad(
     const TensorView* grad_y, const TensorView* x, const TensorView* weight,
     const TensorView* y_origin, const TensorView* group_index, const SwigluAttrs& attrs);
+
+// ---- SwiGLU quantised forward = SwigluGroupQuant (§6; D10, D11, D24; L24-L28) ----
+struct SwigluQuantAttrs {
+  int64_t dst_type = 36;      // aclDataType of y: 36 FLOAT8_E4M3FN, 35 FLOAT8_E5M2
+  int64_t quant_mode = 0;     // 0 FP8 blocks of 128 (fp32 scales), 1 MX blocks of 32 (e8m0)
+  int64_t block_size = 0;     // 0, or the mode's block size (128 / 32)
+  bool round_scale = false;   // mode 0: scales rounded up to powers of two; mode 1: must be true
+  double clamp_limit = -1.0;  // -1 (off) or > 0, as for swiglu_group
+  double dst_type_max = 15.0;  // HiFloat8 modes only: ignored by modes 0/1
+  bool output_origin = false;  // also write y_origin (the WEIGHTED pre-quantisation output)
+};
+// x [...,2H] fp32/fp16/bf16, rank 2..8; weight fp32 numel T or null; group_index [G] int64 or
+// null; scale: must be null (HiFloat8 only). Outputs: y [...,H] in dst_type (or uint8 storage);
+// y_scale [..., ceil(H/128)] fp32 (mode 0) or [..., ceil(ceil(H/32)/2), 2] e8m0 (or uint8)
+// (mode 1); y_origin [...,H] x.dtype, required with output_origin, else ignored (may be null).
+// Errors: 161001 null, 161002 dtypes and unsupported modes / dst types, 561002 shapes, clamp.
+MOEGRAD_API ExecutorPtr plan_swiglu_group_quant(const TensorView* x, const TensorView* weight,
+                                                const TensorView* group_index,
+                                                const TensorView* scale,
+                                                const SwigluQuantAttrs& attrs, const TensorView* y,
+                                                const TensorView* y_scale,
+                                                const TensorView* y_origin);
+// Shapes of (y, y_scale, y_origin); y_origin is [0] without output_origin.
+MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant(const TensorView* x,
+                                                        const TensorView* weight,
+                                                        const TensorView* group_index,
+                                                        const TensorView* scale,
+                                                        const SwigluQuantAttrs& attrs);
 
 // ---- Init routing V2/V3 = token permutation (spec §8; D25-D31; docs/decisions.md L30-L39) ----
 struct InitRoutingAttrs {

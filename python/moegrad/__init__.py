@@ -29,6 +29,7 @@ __all__ = [
     "moe_finalize_routing_grad",
     "swiglu_group",
     "swiglu_group_quant_backward",
+    "swiglu_group_quant",
     "moe_init_routing",
     "moe_init_routing_grad",
     "set_num_threads",
@@ -142,6 +143,37 @@ def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tens
     """
     return torch.ops.moegrad.swiglu_group_quant_backward(grad_y, x, weight, y_origin,
                                                          group_index, clamp_limit)
+
+
+_DST_TYPES = {torch.float8_e4m3fn: 292, torch.float8_e5m2: 291}
+
+
+def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
+                       group_index: Optional[Tensor] = None, scale: Optional[Tensor] = None, *,
+                       dst_type=torch.float8_e4m3fn, quant_mode: int = 0, block_size: int = 0,
+                       round_scale: bool = False, clamp_limit: float = -1.0,
+                       dst_type_max: float = 15.0,
+                       output_origin: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """SwiGLU with per-token weight and FP8 / MX quantisation (SwigluGroupQuant, §6, D24).
+
+    y_w = silu(x0') * x1' * weight[t] (clamp as swiglu_group), rows >= sum(group_index) zero.
+    Quantised per block of H: quant_mode 0, 128 wide, y_scale float32 [..., ceil(H/128)] =
+    max(amax, 1e-4) / fp8max (rounded up to a power of two with round_scale); quant_mode 1 (MX,
+    round_scale=True), 32 wide, y_scale float8_e8m0fnu [..., ceil(ceil(H/32)/2), 2]. y = the
+    FP8 code of y_w / scale (round to nearest even), so y.float() * scale dequantises.
+    dst_type: torch.float8_e4m3fn / torch.float8_e5m2 or the vendor codes 292/24, 291/23.
+    y_origin: y_w in x's dtype with output_origin, else an empty [0] tensor; the only output
+    that carries gradient (to x and weight). scale must be None (HiFloat8 only). HiFloat8
+    (quant_mode 2/3, dst 290) and FP4 fail with 161002. Errors: MoeError 161001/161002/561002.
+    """
+    if isinstance(dst_type, torch.dtype):
+        if dst_type not in _DST_TYPES:
+            raise MoeError(f"swiglu_group_quant: dst_type: must be torch.float8_e4m3fn or "
+                           f"torch.float8_e5m2; got {dst_type}", 161002)
+        dst_type = _DST_TYPES[dst_type]
+    return torch.ops.moegrad.swiglu_group_quant(x, weight, group_index, scale, int(dst_type),
+                                                quant_mode, block_size, round_scale,
+                                                clamp_limit, dst_type_max, output_origin)
 
 
 def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,

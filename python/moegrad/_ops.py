@@ -380,6 +380,90 @@ swiglu_group.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 # ---------------------------------------------------------------------------------------------
+# SwiGLU quantised forward (§6, D10, D24; docs/decisions.md L24-L28)
+# ---------------------------------------------------------------------------------------------
+# dst_type: the vendor's Python codes (torch_npu 291/292/290/296/297 and torch ScalarType 23/24)
+# mapped to the aclDataType codes of the native call. Unknown values are passed through, so the
+# native error names them.
+_DST_CODES = {291: 35, 23: 35, 292: 36, 24: 36, 290: 34, 296: 40, 297: 41}
+_FP8_DTYPES = {35: torch.float8_e5m2, 36: torch.float8_e4m3fn}
+
+
+def _quant_shapes(x, quant_mode):
+    lead, h = list(x.shape[:-1]), x.shape[-1] // 2
+    if quant_mode == 1:
+        nb = (h + 31) // 32
+        return lead + [h], lead + [(nb + 1) // 2, 2]
+    return lead + [h], lead + [(h + 127) // 128]
+
+
+@torch.library.custom_op("moegrad::swiglu_group_quant", mutates_args=())
+def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
+                       group_index: Optional[Tensor] = None, scale: Optional[Tensor] = None,
+                       dst_type: int = 292, quant_mode: int = 0, block_size: int = 0,
+                       round_scale: bool = False, clamp_limit: float = -1.0,
+                       dst_type_max: float = 15.0,
+                       output_origin: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    x, weight, group_index, scale = (x.contiguous(), _contig(weight), _contig(group_index),
+                                     _contig(scale))
+    code = _DST_CODES.get(dst_type, dst_type)
+    attrs = (code, quant_mode, block_size, round_scale, clamp_limit, dst_type_max,
+             output_origin)
+    sy, ss, so = _C.infer_swiglu_group_quant(x, weight, group_index, scale, *attrs)
+    y = _empty(sy, _FP8_DTYPES[code], x)
+    y_scale = _empty(ss, torch.float32 if quant_mode == 0 else torch.float8_e8m0fnu, x)
+    y_origin = _empty(so, x.dtype, x)
+    # float8 tensors do not cross DLPack: the kernel writes their bytes through uint8 views.
+    _C.swiglu_group_quant(x, weight, group_index, scale, *attrs, y.view(torch.uint8),
+                          y_scale if quant_mode == 0 else y_scale.view(torch.uint8),
+                          y_origin if output_origin else None)
+    return y, y_scale, y_origin
+
+
+@swiglu_group_quant.register_fake
+def _(x, weight=None, group_index=None, scale=None, dst_type=292, quant_mode=0, block_size=0,
+      round_scale=False, clamp_limit=-1.0, dst_type_max=15.0, output_origin=False):
+    code = _DST_CODES.get(dst_type, dst_type)
+    sy, ss = _quant_shapes(x, quant_mode)
+    y = x.new_empty(sy, dtype=_FP8_DTYPES.get(code, torch.uint8))
+    s = x.new_empty(ss, dtype=torch.float32 if quant_mode == 0 else torch.float8_e8m0fnu)
+    o = x.new_empty(sy if output_origin else [0])
+    return y, s, o
+
+
+def _swiglu_quant_setup(ctx, inputs, output):
+    x, weight, group_index, _scale, _dst, _qm, _bs, _rs, clamp_limit, _dtm, output_origin = (
+        _args(inputs, (None, None, None, None, 292, 0, 0, False, -1.0, 15.0, False)))
+    y, y_scale, _ = output
+    ctx.mark_non_differentiable(y, y_scale)
+    ctx.clamp_limit = clamp_limit
+    ctx.output_origin = output_origin
+    ctx.save_for_backward(x, weight, group_index)
+
+
+def _swiglu_quant_backward(ctx, _grad_y, _grad_scale, grad_origin):
+    # Only y_origin (the weighted SwiGLU) carries gradient (§6.6); the backward needs the
+    # unweighted activation (D10), recomputed only when the weight's gradient is wanted.
+    nones = [None] * 11
+    if not ctx.output_origin or grad_origin is None:
+        return tuple(nones)
+    x, weight, group_index = ctx.saved_tensors
+    needs = _needs(ctx, 11)
+    y_origin = None
+    if weight is not None:
+        y_origin = (swiglu_group(x, None, group_index, ctx.clamp_limit) if needs[1]
+                    else grad_origin)
+    grad_x, grad_w = swiglu_group_quant_backward(grad_origin, x, weight, y_origin, group_index,
+                                                 ctx.clamp_limit)
+    nones[0] = grad_x if needs[0] else None
+    nones[1] = grad_w.to(weight.dtype) if (weight is not None and needs[1]) else None
+    return tuple(nones)
+
+
+swiglu_group_quant.register_autograd(_swiglu_quant_backward, setup_context=_swiglu_quant_setup)
+
+
+# ---------------------------------------------------------------------------------------------
 # Init routing = token permutation (docs/operators.md §8; D25-D31; L30-L39)
 # ---------------------------------------------------------------------------------------------
 def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag):

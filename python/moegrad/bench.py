@@ -71,7 +71,8 @@ MODELS: Dict[str, dict] = {
 }
 
 OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
-       "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward")
+       "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
+       "swiglu_group_quant")
 BACKWARD_OPS = ("moe_gating_top_k_backward", "moe_finalize_routing_grad",
                 "swiglu_group_quant_backward")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,6 +112,12 @@ BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
         " + grad_x Tk*2F*s + grad_weight Tk*4",
         lambda Tk, F, G, s, **_: Tk * F * s + Tk * 2 * F * s + Tk * 4 + Tk * F * s + G * 8
         + Tk * 2 * F * s + Tk * 4),
+    # FP8 blocks of 128 (quant_mode 0, e4m3fn): one code byte per element, an fp32 scale per
+    # 128 elements of a row; no y_origin (L28).
+    "swiglu_group_quant": (
+        "x Tk*2F*s + weight Tk*4 + group_index G*8 + y Tk*F*1 + y_scale Tk*ceil(F/128)*4",
+        lambda Tk, F, G, s, **_: Tk * 2 * F * s + Tk * 4 + G * 8 + Tk * F
+        + Tk * ((F + 127) // 128) * 4),
 }
 
 # Peak memory of the eager formula's temporaries, in multiples of the case's bytes as if every
@@ -119,6 +126,7 @@ BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
 EAGER_TEMP_FACTOR = {
     "moe_gating_top_k": 4.0, "moe_gating_top_k_backward": 3.5, "moe_finalize_routing": 0.6,
     "moe_finalize_routing_grad": 0.8, "swiglu_group": 1.4, "swiglu_group_quant_backward": 2.3,
+    "swiglu_group_quant": 3.0,
 }
 
 
@@ -342,6 +350,22 @@ def build_case(op: str, model: str, dtype_name: str, tokens: int) -> Case:
             gw = torch.empty((Tk,), dtype=torch.float32)
             kw = dict(weight=w, y_origin=yo, group_index=gi, clamp_limit=clamp)
             return CaseData((gy, x), kw, (gy, x, w, yo, gi, clamp, gx, gw), (gx, gw), (gy, x), kw)
+    elif op == "swiglu_group_quant":
+        Tk = T * K
+        dims = dict(Tk=Tk, F=F, G=E, s=s)
+        desc = f"x[{Tk},{2 * F}] fp8/128" + (f" clamp={m['clamp']:g}" if m["clamp"] > 0 else "")
+        clamp = m["clamp"]
+
+        def make(g):
+            x = _randn((Tk, 2 * F), dt, g, 2.0 if clamp > 0 else 1.0)
+            w = torch.rand((Tk,), generator=g)
+            gi = _group_counts(Tk, E, g)
+            y = torch.empty((Tk, F), dtype=torch.float8_e4m3fn)
+            ys = torch.empty((Tk, (F + 127) // 128), dtype=torch.float32)
+            kw = dict(weight=w, group_index=gi, clamp_limit=clamp)
+            # The native call writes y through a uint8 view (float8 does not cross DLPack).
+            return CaseData((x,), kw, (x, w, gi, None, 36, 0, 0, False, clamp, 15.0, False,
+                                       y.view(torch.uint8), ys, None), (y, ys), (x,), kw)
     else:
         raise ValueError(f"unknown op {op!r}")
     nbytes = BYTES[op][1](**dims)
@@ -420,6 +444,17 @@ def check_outputs(op: str, data: CaseData, got: tuple, want: tuple) -> str:
             _close("y", y, ref.gating_weights(nrm, idx, kw["renorm"], kw["norm_type"],
                                               kw["routed_scaling_factor"], kw["eps"], x.dtype)),
         ]
+    elif op == "swiglu_group_quant":
+        # Scales as fp32 values; codes compared after dequantisation (one FP8 step apart where
+        # the eager fp32 product rounds the other way).
+        y, ys = got[0], got[1]
+        y_ref, ys_ref = want[0], want[1]
+        problems = [_close("y_scale", ys, ys_ref)]
+        step = ys.float().repeat_interleave(128, dim=-1)[..., :y.shape[-1]]
+        err = (y.float() - y_ref.float()).abs() * step
+        lim = 0.13 * y_ref.float().abs() * step + 1e-30 + 2.0 ** -9 * step
+        if not bool((err <= lim).all()):
+            problems.append(f"y: {int((err > lim).sum())} codes more than one FP8 step off")
     else:
         names = {"moe_gating_top_k_backward": ("grad_x",),
                  "moe_finalize_routing": ("out",),

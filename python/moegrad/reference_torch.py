@@ -232,3 +232,45 @@ def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tens
     if mask is not None:
         gw = torch.where(mask, gw, 0.0)
     return grad_x, gw.reshape(weight.shape)
+
+
+def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
+                       group_index: Optional[Tensor] = None, scale: Optional[Tensor] = None, *,
+                       dst_type=torch.float8_e4m3fn, quant_mode: int = 0, block_size: int = 0,
+                       round_scale: bool = False, clamp_limit: float = -1.0,
+                       dst_type_max: float = 15.0, output_origin: bool = False):
+    """(y fp8, y_scale, y_origin) of §6.4, FP8 blocks (quant_mode 0) or MX (1), in fp32."""
+    if not isinstance(dst_type, torch.dtype):
+        dst_type = torch.float8_e5m2 if dst_type in (291, 23) else torch.float8_e4m3fn
+    fmax = 57344.0 if dst_type == torch.float8_e5m2 else 448.0
+    _, _, x0c, x1c = _halves(x, clamp_limit)
+    y = torch.nn.functional.silu(x0c) * x1c
+    if weight is not None:
+        y = y * weight.reshape(-1, 1)
+    mask = _row_mask(x, group_index)
+    if mask is not None:
+        y = torch.where(mask.unsqueeze(1), y, 0.0)
+    T, H = y.shape
+    B = 128 if quant_mode == 0 else 32
+    nb = (H + B - 1) // B
+    blocks = torch.nn.functional.pad(y, (0, nb * B - H)).reshape(T, nb, B)
+    amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(-1, keepdim=True)
+    ah = amax.clamp(min=1e-4)
+    if round_scale or quant_mode == 1:
+        sc = torch.exp2(torch.ceil(torch.log2(ah / fmax)))
+        inv = 1.0 / sc
+    else:
+        sc, inv = ah / fmax, fmax / ah
+    q = (blocks * inv).reshape(T, nb * B)[:, :H].to(dst_type)
+    sc = sc.reshape(T, nb)
+    if mask is not None:
+        sc = torch.where(mask.unsqueeze(1), sc, 0.0)
+    lead = x.shape[:-1]
+    if quant_mode == 1:
+        sc = torch.nn.functional.pad(sc, (0, 2 * ((nb + 1) // 2) - nb)).reshape(*lead, -1, 2)
+        sc = sc.to(torch.float8_e8m0fnu)
+    else:
+        sc = sc.reshape(*lead, nb)
+    y_origin = (y.to(x.dtype).reshape(*lead, H) if output_origin
+                else torch.empty((0,), dtype=x.dtype, device=x.device))
+    return q.reshape(*lead, H), sc, y_origin

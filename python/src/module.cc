@@ -251,6 +251,28 @@ NB_MODULE(_C, m) {
                                                a(group_index), SwigluAttrs{clamp_limit});
         });
 
+  // ---- SwiGLU quantised forward (D24); FP8 / e8m0 outputs arrive as uint8 views ----
+  m.def("swiglu_group_quant",
+        [](const Opt& x, const Opt& weight, const Opt& group_index, const Opt& scale,
+           int64_t dst_type, int64_t quant_mode, int64_t block_size, bool round_scale,
+           double clamp_limit, double dst_type_max, bool output_origin, const Opt& y,
+           const Opt& y_scale, const Opt& y_origin) {
+          Args a;
+          SwigluQuantAttrs at{dst_type,    quant_mode,   block_size,   round_scale,
+                              clamp_limit, dst_type_max, output_origin};
+          run(plan_swiglu_group_quant(a(x), a(weight), a(group_index), a(scale), at, a(y),
+                                      a(y_scale), a(y_origin)));
+        });
+  m.def("infer_swiglu_group_quant",
+        [](const Opt& x, const Opt& weight, const Opt& group_index, const Opt& scale,
+           int64_t dst_type, int64_t quant_mode, int64_t block_size, bool round_scale,
+           double clamp_limit, double dst_type_max, bool output_origin) -> Shapes {
+          Args a;
+          SwigluQuantAttrs at{dst_type,    quant_mode,   block_size,   round_scale,
+                              clamp_limit, dst_type_max, output_origin};
+          return infer_swiglu_group_quant(a(x), a(weight), a(group_index), a(scale), at);
+        });
+
   // ---- init routing (token permutation) ----
   m.def("moe_init_routing",
         [](const Opt& x, const Opt& eidx, int64_t active_num, int64_t expert_capacity,

@@ -62,6 +62,11 @@ const char* dtype_name(DType dtype) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
+    case DType::kHiFloat8: return "hifloat8";
+    case DType::kFloat8E5M2: return "float8_e5m2";
+    case DType::kFloat8E4M3FN: return "float8_e4m3fn";
+    case DType::kFloat8E8M0: return "float8_e8m0";
     default: break;
   }
   // Dtypes no operator takes keep their aclDataType code, so errors can name them.
@@ -86,6 +91,8 @@ int64_t dtype_size(DType dtype) {
     case DType::kFloat16: case DType::kBFloat16: return 2;
     case DType::kFloat32: case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kUInt8: case DType::kHiFloat8: case DType::kFloat8E5M2: case DType::kFloat8E4M3FN:
+    case DType::kFloat8E8M0: return 1;
     default: return 0;
   }
 }

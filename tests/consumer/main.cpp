@@ -66,7 +66,7 @@ void cpp_api_gating_backward() {
   want[24 + 7] = 0.018685;
   for (int i = 0; i < 32; ++i) check_near("C++ gating backward grad_x", i, gx[i], want[i], 1e-6);
 
-  // An invalid call throws moegrad::Error with the documented code (norm_type != 1: 161002).
+  // An invalid call throws moegrad::Error with the documented code (norm_type 3: 161002).
   attrs.norm_type = 3;
   int code = 0;
   try {

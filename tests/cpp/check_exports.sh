@@ -40,7 +40,8 @@ for want in aclCreateTensor aclDestroyTensor aclGetRecentErrMsg aclSetAclOpExecu
             aclnnMoeFinalizeRoutingV2GradGetWorkspaceSize aclnnMoeFinalizeRoutingV2Grad \
             aclnnSwigluGroupQuantGradGetWorkspaceSize aclnnSwigluGroupQuantGrad \
             aclnnSwigluGroupGetWorkspaceSize aclnnSwigluGroup \
-            aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize aclnnMoeFinalizeRoutingBiasGrad; do
+            aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize aclnnMoeFinalizeRoutingBiasGrad \
+            aclnnSwigluGroupQuantGetWorkspaceSize aclnnSwigluGroupQuant; do
   if ! grep -qx "$want" <<<"$mangled"; then
     echo "missing public C symbol: $want"
     bad=$((bad + 1))

@@ -39,7 +39,8 @@ namespace mgt {
 // ---------------------------------------------------------------------------------------------
 inline size_t elem_size(aclDataType t) {
   switch (t) {
-    case ACL_INT8: case ACL_UINT8: case ACL_BOOL: return 1;
+    case ACL_INT8: case ACL_UINT8: case ACL_BOOL: case ACL_FLOAT8_E5M2: case ACL_FLOAT8_E4M3FN:
+    case ACL_FLOAT8_E8M0: case ACL_HIFLOAT8: return 1;
     case ACL_FLOAT16: case ACL_BF16: case ACL_INT16: case ACL_UINT16: return 2;
     case ACL_FLOAT: case ACL_INT32: case ACL_UINT32: return 4;
     case ACL_INT64: case ACL_UINT64: case ACL_DOUBLE: case ACL_COMPLEX64: return 8;

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import torch
+
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -31,3 +33,10 @@ def test_readme_example_router_learns(capsys):
     assert slope > 1e-3, f"the router gradient vanished (shared expert weights?): {out}"
     assert abs(slope - fd) <= 1e-2 * slope, out
     assert ns["after"].item() < 0.95 * ns["before"].item(), out
+    # The residual gets its gradient (D23): at least the residual path's d loss / d out.
+    x, router, target = ns["x"], ns["router"], ns["target"]
+    assert x.grad is not None and float(x.grad.norm()) > 0, out
+    with torch.no_grad():
+        dout = 2 * (ns["moe"](x, router) - target) / target.numel()
+    # x.grad - dout is the experts' path, which the router's top-k weights make non-zero.
+    assert float((x.grad - dout).norm()) > 0, out

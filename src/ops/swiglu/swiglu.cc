@@ -206,6 +206,154 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   return p;
 }
 
+namespace {
+const char* quant_dst_name(int64_t code) {
+  switch (code) {
+    case 34: return "HiFloat8";
+    case 35: return "float8_e5m2";
+    case 36: return "float8_e4m3fn";
+    case 40: return "float4_e2m1";
+    case 41: return "float4_e1m2";
+    default: return "an unknown type";
+  }
+}
+}  // namespace
+
+SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* weight,
+                                      const TensorView* group_index, const TensorView* scale,
+                                      const SwigluQuantAttrs& a, const TensorView* y,
+                                      const TensorView* y_scale, const TensorView* y_origin,
+                                      bool with_outputs) {
+  Validator v("swiglu_group_quant", kErrTiling);
+  SwigluQuantPlan p;
+  v.present(x, "x");
+  if (with_outputs) {
+    v.present(y, "y");
+    v.present(y_scale, "y_scale");
+    if (a.output_origin) v.present(y_origin, "y_origin");
+  }
+  // Modes and target types (161002, D24): FP8 blocks (0) and MX (1) only.
+  if (a.quant_mode == 2 || a.quant_mode == 3) {
+    v.fail(kErrParamInvalid, "quant_mode",
+           cat("HiFloat8 quantisation (quant_mode 2 static, 3 dynamic) is not supported; got ",
+               a.quant_mode));
+  }
+  v.check(a.quant_mode == 0 || a.quant_mode == 1, kErrParamInvalid, "quant_mode",
+          cat("must be 0 (FP8 blocks of 128) or 1 (MX blocks of 32); got ", a.quant_mode));
+  const int64_t dst = a.dst_type;
+  if (dst == 34 || dst == 40 || dst == 41) {
+    v.fail(kErrParamInvalid, "dst_type",
+           cat(quant_dst_name(dst), " output is not supported (FP8 e4m3fn 36 or e5m2 35 only); got ",
+               dst));
+  }
+  v.check(dst == 35 || dst == 36, kErrParamInvalid, "dst_type",
+          cat("must be 36 (float8_e4m3fn) or 35 (float8_e5m2); got ", dst));
+  const int64_t block = a.quant_mode == 0 ? 128 : 32;
+  v.check(a.block_size == 0 || a.block_size == block, kErrParamInvalid, "block_size",
+          cat("must be 0 or ", block, " for quant_mode ", a.quant_mode, "; got ", a.block_size));
+  v.check(a.quant_mode == 0 || a.round_scale, kErrParamInvalid, "round_scale",
+          "quant_mode 1 (MX) needs power-of-two scales, round_scale = true; got false");
+  v.check(scale == nullptr, kErrParamInvalid, "scale",
+          cat("only the HiFloat8 static mode (quant_mode 2, not supported) takes a scale; got a "
+              "tensor with quant_mode ", a.quant_mode));
+  // Dtypes and layouts (161002).
+  v.dtype_in(*x, "x", kFloatTypes);
+  const Device dev = x->device;
+  v.layout(*x, "x", dev);
+  if (weight) {
+    v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
+    v.layout(*weight, "weight", dev);
+  }
+  if (group_index) {
+    v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
+    v.layout(*group_index, "group_index", dev);
+  }
+  const DType y_dt = dst == 35 ? DType::kFloat8E5M2 : DType::kFloat8E4M3FN;
+  const DType s_dt = a.quant_mode == 0 ? DType::kFloat32 : DType::kFloat8E8M0;
+  if (with_outputs) {
+    // uint8 is accepted as the storage of the 8-bit outputs (L25).
+    v.dtype_in(*y, "y", {y_dt, DType::kUInt8});
+    if (a.quant_mode == 0) {
+      v.same_dtype(*y_scale, "y_scale", s_dt, "float32");
+    } else {
+      v.dtype_in(*y_scale, "y_scale", {s_dt, DType::kUInt8});
+    }
+    v.layout(*y, "y", dev);
+    v.layout(*y_scale, "y_scale", dev);
+    if (a.output_origin) {
+      v.same_dtype(*y_origin, "y_origin", x->dtype, "x's dtype");
+      v.layout(*y_origin, "y_origin", dev);
+    }
+  }
+  // Shapes and attributes (561002).
+  p.clamp = check_clamp(v, a.clamp_limit);
+  v.rank_in(*x, "x", 2, kMaxRank);
+  const int64_t D = x->shape[x->ndim - 1];
+  v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
+  const int64_t T = leading(*x);
+  const int64_t H = D / 2;
+  if (weight) check_weight(v, *weight, T);
+  if (group_index) check_group_index(v, *group_index);
+  const int64_t blocks = (H + block - 1) / block;
+  p.y_shape = half_last(*x);
+  p.y_scale_shape = Shape(x->shape, x->shape + x->ndim - 1);
+  if (a.quant_mode == 0) {
+    p.y_scale_shape.push_back(blocks);
+    p.scale_stride = blocks;
+  } else {
+    p.y_scale_shape.push_back((blocks + 1) / 2);
+    p.y_scale_shape.push_back(2);
+    p.scale_stride = 2 * ((blocks + 1) / 2);
+  }
+  p.y_origin_shape = a.output_origin ? p.y_shape : Shape{0};
+  if (with_outputs) {
+    v.shape(*y, "y", p.y_shape);
+    v.shape(*y_scale, "y_scale", p.y_scale_shape);
+    if (a.output_origin) v.shape(*y_origin, "y_origin", p.y_shape);
+  }
+  p.x = *x;
+  if (weight) p.weight = *weight;
+  if (group_index) p.group_index = *group_index;
+  if (with_outputs) {
+    p.y = *y;
+    p.y_scale = *y_scale;
+    if (a.output_origin) p.y_origin = *y_origin;
+  }
+  p.has_weight = weight != nullptr;
+  p.has_group_index = group_index != nullptr;
+  p.write_origin = a.output_origin;
+  p.e5m2 = dst == 35;
+  p.quant_mode = a.quant_mode;
+  p.block = block;
+  p.round_scale = a.round_scale || a.quant_mode == 1;
+  p.T = T;
+  p.H = H;
+  p.blocks = blocks;
+  return p;
+}
+
+void run_plan(const SwigluQuantPlan& plan, void*, void*) {
+  require_cpu(plan.op, plan.x);
+  swiglu_quant_cpu(plan);
+}
+
+ExecutorPtr plan_swiglu_group_quant(const TensorView* x, const TensorView* weight,
+                                    const TensorView* group_index, const TensorView* scale,
+                                    const SwigluQuantAttrs& attrs, const TensorView* y,
+                                    const TensorView* y_scale, const TensorView* y_origin) {
+  return make_executor(validate_swiglu_quant(x, weight, group_index, scale, attrs, y, y_scale,
+                                             y_origin, true));
+}
+
+std::vector<Shape> infer_swiglu_group_quant(const TensorView* x, const TensorView* weight,
+                                            const TensorView* group_index,
+                                            const TensorView* scale,
+                                            const SwigluQuantAttrs& attrs) {
+  SwigluQuantPlan p = validate_swiglu_quant(x, weight, group_index, scale, attrs, nullptr,
+                                            nullptr, nullptr, false);
+  return {p.y_shape, p.y_scale_shape, p.y_origin_shape};
+}
+
 void run_plan(const SwigluPlan& plan, void* workspace, void* stream) {
 #ifdef MOEGRAD_WITH_CUDA
   if (plan.x.device == Device::kCUDA) {

@@ -29,6 +29,30 @@ struct SwigluGradPlan {
   Shape grad_x_shape, grad_weight_shape;
 };
 
+struct SwigluQuantPlan {
+  const char* op = "swiglu_group_quant";
+  uint64_t workspace_bytes = 0;
+  TensorView x, weight, group_index, y, y_scale, y_origin;
+  bool has_weight = false, has_group_index = false, write_origin = false;
+  bool e5m2 = false;         // y format: e5m2, else e4m3fn
+  int64_t quant_mode = 0;    // 0 FP8 block, 1 MX
+  int64_t block = 128;       // elements per scale along H
+  bool round_scale = false;
+  float clamp = -1.0f;
+  int64_t T = 0, H = 0;
+  int64_t blocks = 0;        // scales per row: ceil(H / block)
+  int64_t scale_stride = 0;  // scale elements per row: blocks (mode 0), 2*ceil(blocks/2) (mode 1)
+  Shape y_shape, y_scale_shape, y_origin_shape;
+};
+
+SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* weight,
+                                      const TensorView* group_index, const TensorView* scale,
+                                      const SwigluQuantAttrs& attrs, const TensorView* y,
+                                      const TensorView* y_scale, const TensorView* y_origin,
+                                      bool with_outputs);
+void run_plan(const SwigluQuantPlan& plan, void* workspace, void* stream);
+void swiglu_quant_cpu(const SwigluQuantPlan& plan);
+
 SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
                            const TensorView* group_index, const SwigluAttrs& attrs,
                            const TensorView* y, bool with_outputs);
