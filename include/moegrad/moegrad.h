@@ -84,17 +84,38 @@ struct MOEGRAD_API TensorView {
                                Device device = Device::kCPU, int32_t device_id = 0);
 };
 
-// A planned operator call (stage two). Runs on the CPU or, for CUDA views, on `stream`.
+using Shape = std::vector<int64_t>;
+
+// An output a plan will write: its shape and dtype as inferred in stage one.
+struct OutputSpec {
+  Shape shape;
+  DType dtype = DType::kFloat32;
+  bool optional = false;  // may be bound to nullptr: the output is then not computed
+};
+
+// A planned operator call (stage two). Stage one has validated everything and chosen the
+// backend (from the tensors' device); running it only computes. CUDA kernels run on `stream`.
 class MOEGRAD_API Executor {
  public:
   virtual ~Executor();
+  // Scratch bytes run() must be handed (host memory for CPU plans, device memory for CUDA).
   virtual uint64_t workspace_size() const = 0;
-  // Throws Error(161002) if workspace_size() > 0 and `workspace` is null or too small.
+  // The outputs in the operator's order, as planned.
+  virtual const std::vector<OutputSpec>& outputs() const = 0;
+  virtual Device device() const = 0;
+  virtual int32_t device_id() const = 0;
+  // Runs a plan made with its outputs (plan_*). Throws Error(161002) if workspace_size() > 0
+  // and `workspace` is null or smaller than workspace_size().
   virtual void run(void* workspace, uint64_t workspace_bytes, void* stream) = 0;
+  // Binds outputs[0..n) (n == outputs().size()) and runs: the plan_* form for plans made
+  // without outputs (prepare_*). Each output is checked in O(1) against outputs(): present
+  // (unless optional), dtype, shape, contiguous, same device. Not for concurrent use of one
+  // executor.
+  virtual void run(const TensorView* const* outputs, size_t n, void* workspace,
+                   uint64_t workspace_bytes, void* stream) = 0;
 };
 
 using ExecutorPtr = std::unique_ptr<Executor>;
-using Shape = std::vector<int64_t>;
 
 // ---- Gating top-k (§2; decisions D2, D12, D13; docs/decisions.md L1-L3) ----
 struct GatingTopKAttrs {
@@ -127,7 +148,7 @@ struct GatingTopKBackwardAttrs {
 };
 // x_norm [M,N] fp32 (2 <= N <= 2048), the forward's norm_out: softmax, sigmoid or
 // sqrt(softplus) of the logits per norm_type; grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K]
-// int32 in [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
+// int32 or int64 in [0,N); grad_x [M,N] grad_y.dtype. Every error but null is 161002 (D3).
 MOEGRAD_API ExecutorPtr plan_moe_gating_top_k_backward(const TensorView* x_norm,
                                                        const TensorView* grad_y,
                                                        const TensorView* expert_idx,
@@ -143,6 +164,7 @@ struct FinalizeRoutingAttrs {
 };
 // expanded_x (R*K,H) or (E,C,H); expanded_row_idx (R*K) int32; x1, x2 (R,H); bias (E,H);
 // scales (R,K); expert_idx (R,K) int32; out (R,H) expanded_x.dtype. Shape/value errors: 561103.
+// Index tensors may also be int64 in the C++ API (values must fit in int32).
 MOEGRAD_API ExecutorPtr plan_moe_finalize_routing(
     const TensorView* expanded_x, const TensorView* expanded_row_idx, const TensorView* x1,
     const TensorView* x2, const TensorView* bias, const TensorView* scales,
@@ -295,6 +317,44 @@ MOEGRAD_API int get_num_threads();
 
 // Runs a planned executor with a workspace it allocates itself (CPU convenience).
 MOEGRAD_API void run_now(Executor& executor);
+
+// ---- Plans without outputs (stage one for callers that allocate outputs afterwards) ----
+// Same validation as plan_<op> minus the outputs; the executor's outputs() lists what to
+// allocate, and run(outputs, n, workspace, bytes, stream) binds them. Index tensors may be
+// int32 or int64 here and in plan_<op> (int64 values must fit in int32; errors name the
+// position and value). The C API takes int32 only.
+MOEGRAD_API ExecutorPtr prepare_moe_gating_top_k(const TensorView* x, const TensorView* bias,
+                                                 const GatingTopKAttrs& attrs);
+MOEGRAD_API ExecutorPtr prepare_moe_gating_top_k_backward(const TensorView* x_norm,
+                                                          const TensorView* grad_y,
+                                                          const TensorView* expert_idx,
+                                                          const GatingTopKBackwardAttrs& attrs);
+// k: the top-k hint used when R cannot be read from another tensor (L4).
+MOEGRAD_API ExecutorPtr prepare_moe_finalize_routing(
+    const TensorView* expanded_x, const TensorView* expanded_row_idx, const TensorView* x1,
+    const TensorView* x2, const TensorView* bias, const TensorView* scales,
+    const TensorView* expert_idx, const FinalizeRoutingAttrs& attrs, int64_t k);
+MOEGRAD_API ExecutorPtr prepare_moe_finalize_routing_grad(
+    const TensorView* grad_y, const TensorView* expanded_row_idx, const TensorView* expanded_x,
+    const TensorView* scales, const TensorView* expert_idx, const TensorView* bias,
+    const FinalizeRoutingGradAttrs& attrs);
+MOEGRAD_API ExecutorPtr prepare_swiglu_group(const TensorView* x, const TensorView* weight,
+                                             const TensorView* group_index,
+                                             const SwigluAttrs& attrs);
+MOEGRAD_API ExecutorPtr prepare_moe_finalize_routing_bias_grad(
+    const TensorView* grad_y, const TensorView* expert_idx, const TensorView* scales,
+    const FinalizeRoutingBiasGradAttrs& attrs);
+// grad_weight (output 1) is optional: bound to nullptr it is not computed.
+MOEGRAD_API ExecutorPtr prepare_swiglu_group_quant_grad(const TensorView* grad_y,
+                                                        const TensorView* x,
+                                                        const TensorView* weight,
+                                                        const TensorView* y_origin,
+                                                        const TensorView* group_index,
+                                                        const SwigluAttrs& attrs);
+
+// Number of argument validations run so far in this process (all threads). For tests that
+// check each call validates once.
+MOEGRAD_API uint64_t validation_count();
 
 }  // namespace moegrad
 

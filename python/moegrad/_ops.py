@@ -1,7 +1,9 @@
 """torch.library registration of the moegrad operators: custom ops, fake kernels, autograd.
 
-Each op validates through the C++ library (one place per operator), allocates its outputs with
-torch on the input's device and runs the native kernel. Contract: docs/operators.md §7.
+Each op call makes two native calls, the two stages of the C API: ``_C.plan_<op>`` validates
+(once), infers the outputs, picks the backend from the tensors' device and sizes the workspace;
+Python allocates the outputs and the workspace with torch on the input's device; ``_C.run`` runs
+the kernel (without the GIL). See docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -11,17 +13,35 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._errors import (ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError)
+from ._errors import ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+# DType codes of the native plans (aclDataType values) -> torch dtypes.
+_DTYPES = {0: torch.float32, 1: torch.float16, 3: torch.int32, 9: torch.int64,
+           27: torch.bfloat16}
 
 
 def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
+def _execute(planned, like: Tensor) -> List[Tensor]:
+    """Stage two: allocate the planned outputs and workspace on like's device, then run."""
+    plan, specs, ws_bytes = planned
+    dev = like.device
+    outs = [torch.empty(shape, dtype=_DTYPES[code], device=dev) for shape, code in specs]
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    _C.run(plan, outs, ws, stream)
+    return outs
+
+
+# Transitional helpers of the ops not yet on the plan/run path (token permutation): they narrow
+# int64 indices in Python (a host read) and validate twice. Ops on the plan/run path never use
+# them.
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
 def _index32(t: Optional[Tensor], op: str, name: str, code: int) -> Optional[Tensor]:
-    """int64 index tensors are accepted (D20) and narrowed to int32 after a range check."""
     if t is None:
         return None
     if t.dtype == torch.int64:
@@ -32,6 +52,25 @@ def _index32(t: Optional[Tensor], op: str, name: str, code: int) -> Optional[Ten
                 raise MoeError(f"{op}: {name}: int64 values must fit in int32; got {bad}", code)
         t = t.to(torch.int32)
     return t.contiguous()
+
+
+def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _same_device(op: str, *named) -> None:
+    """Fake kernels: every tensor on the first one's device, and that a cpu or cuda one (a real
+    meta tensor in eager mode lands here and must fail as the native plan would)."""
+    first_name, first = named[0]
+    for name, t in named:
+        if t is None:
+            continue
+        if t.device.type not in ("cpu", "cuda"):
+            raise MoeError(f"{op}: {name}: tensor must be on cpu or cuda; got {t.device}",
+                           ERR_PARAM_INVALID)
+        if t.device != first.device:
+            raise MoeError(f"{op}: {name}: tensor must be on the device of {first_name} "
+                           f"({first.device}); got {t.device}", ERR_PARAM_INVALID)
 
 
 def _needs(ctx, n: int) -> Tuple[bool, ...]:
@@ -45,14 +84,10 @@ def _args(inputs, defaults):
     return tuple(inputs) + tuple(defaults[len(inputs):])
 
 
-def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
-# ---- CUDA launch context (CUDA backend) ----
+# ---- CUDA backend: stream and workspace of the one-shot _C.<op>(..., outputs) calls ----
 def _cuda_launch_context(device: int, workspace_bytes: int):
-    """Called by the native module for CUDA calls: torch's current stream of `device` and a
-    workspace from torch's caching allocator (None when the plan needs none)."""
+    """Called by the native module for one-shot calls on CUDA tensors: torch's current stream
+    of `device` and a workspace from torch's caching allocator (None when none is needed)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     ws = (torch.empty(workspace_bytes, dtype=torch.uint8, device=torch.device("cuda", device))
           if workspace_bytes else None)
@@ -75,17 +110,14 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
     x, bias = x.contiguous(), _contig(bias)
     attrs = (k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag,
              routed_scaling_factor, eps)
-    sy, si, sn = _C.infer_moe_gating_top_k(x, bias, *attrs)
-    y = _empty(sy, x.dtype, x)
-    idx = _empty(si, torch.int32, x)
-    norm = _empty(sn, torch.float32, x)
-    _C.moe_gating_top_k(x, bias, *attrs, y, idx, norm)
+    y, idx, norm = _execute(_C.plan_moe_gating_top_k(x, bias, *attrs), x)
     return y, idx, norm
 
 
 @moe_gating_top_k.register_fake
 def _(x, k, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, norm_type=0,
       out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+    _same_device("moe_gating_top_k", ("x", x), ("bias", bias))
     m, n = x.shape[0], x.shape[1]
     return (x.new_empty((m, k)), x.new_empty((m, k), dtype=torch.int32),
             x.new_empty((m, n), dtype=torch.float32))
@@ -95,18 +127,17 @@ def _(x, k, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, 
 def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
                               renorm: int = 0, norm_type: int = 1,
                               routed_scaling_factor: float = 1.0, eps: float = 1e-20) -> Tensor:
-    op = "moe_gating_top_k_backward"
-    x_norm, grad_y = x_norm.contiguous(), grad_y.contiguous()
-    expert_idx = _index32(expert_idx, op, "expert_idx", ERR_PARAM_INVALID)
+    x_norm, grad_y, expert_idx = x_norm.contiguous(), grad_y.contiguous(), expert_idx.contiguous()
     attrs = (renorm, norm_type, routed_scaling_factor, eps)
-    (sx,) = _C.infer_moe_gating_top_k_backward(x_norm, grad_y, expert_idx, *attrs)
-    grad_x = _empty(sx, grad_y.dtype, grad_y)
-    _C.moe_gating_top_k_backward(x_norm, grad_y, expert_idx, *attrs, grad_x)
+    (grad_x,) = _execute(_C.plan_moe_gating_top_k_backward(x_norm, grad_y, expert_idx, *attrs),
+                         grad_y)
     return grad_x
 
 
 @moe_gating_top_k_backward.register_fake
 def _(x_norm, grad_y, expert_idx, renorm=0, norm_type=1, routed_scaling_factor=1.0, eps=1e-20):
+    _same_device("moe_gating_top_k_backward", ("x_norm", x_norm), ("grad_y", grad_y),
+                 ("expert_idx", expert_idx))
     return grad_y.new_empty(x_norm.shape)
 
 
@@ -164,21 +195,19 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
                          bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
                          expert_idx: Optional[Tensor] = None, drop_pad_mode: int = 0,
                          k: int = 1) -> Tensor:
-    op = "moe_finalize_routing"
-    expanded_x = expanded_x.contiguous()
-    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
-    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    expanded_x, idx, eidx = expanded_x.contiguous(), expanded_row_idx.contiguous(), _contig(expert_idx)
     x1, x2, bias, scales = _contig(x1), _contig(x2), _contig(bias), _contig(scales)
-    (so,) = _C.infer_moe_finalize_routing(expanded_x, idx, x1, x2, bias, scales, eidx,
-                                          drop_pad_mode, k)
-    out = _empty(so, expanded_x.dtype, expanded_x)
-    _C.moe_finalize_routing(expanded_x, idx, x1, x2, bias, scales, eidx, drop_pad_mode, out)
+    (out,) = _execute(_C.plan_moe_finalize_routing(expanded_x, idx, x1, x2, bias, scales, eidx,
+                                                   drop_pad_mode, k), expanded_x)
     return out
 
 
 @moe_finalize_routing.register_fake
 def _(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None,
       drop_pad_mode=0, k=1):
+    _same_device("moe_finalize_routing", ("expanded_x", expanded_x),
+                 ("expanded_row_idx", expanded_row_idx), ("x1", x1), ("x2", x2), ("bias", bias),
+                 ("scales", scales), ("expert_idx", expert_idx))
     if scales is not None:
         rows = scales.shape[0]
     elif expert_idx is not None:
@@ -199,23 +228,20 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
                               bias: Optional[Tensor] = None, drop_pad_mode: int = 0,
                               active_num: int = 0, expert_num: int = 0,
                               expert_capacity: int = 0) -> Tuple[Tensor, Tensor]:
-    op = "moe_finalize_routing_grad"
-    grad_y = grad_y.contiguous()
-    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
-    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    grad_y, idx, eidx = grad_y.contiguous(), expanded_row_idx.contiguous(), _contig(expert_idx)
     expanded_x, scales, bias = _contig(expanded_x), _contig(scales), _contig(bias)
     attrs = (drop_pad_mode, active_num, expert_num, expert_capacity)
-    sx, ss = _C.infer_moe_finalize_routing_grad(grad_y, idx, expanded_x, scales, eidx, bias,
-                                                *attrs)
-    gex = _empty(sx, grad_y.dtype, grad_y)
-    gs = _empty(ss, scales.dtype if scales is not None else grad_y.dtype, grad_y)
-    _C.moe_finalize_routing_grad(grad_y, idx, expanded_x, scales, eidx, bias, *attrs, gex, gs)
+    gex, gs = _execute(_C.plan_moe_finalize_routing_grad(grad_y, idx, expanded_x, scales, eidx,
+                                                         bias, *attrs), grad_y)
     return gex, gs
 
 
 @moe_finalize_routing_grad.register_fake
 def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, bias=None,
       drop_pad_mode=0, active_num=0, expert_num=0, expert_capacity=0):
+    _same_device("moe_finalize_routing_grad", ("grad_y", grad_y),
+                 ("expanded_row_idx", expanded_row_idx), ("expanded_x", expanded_x),
+                 ("scales", scales), ("expert_idx", expert_idx), ("bias", bias))
     r, h = grad_y.shape[0], grad_y.shape[1]
     n = expanded_row_idx.shape[0]
     if drop_pad_mode == 1:
@@ -252,23 +278,22 @@ def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
                                    scales: Optional[Tensor], expert_num: int) -> Tensor:
     """Gradient of finalize routing's bias (D23, L22): per expert, the sum of scale * grad_y
     over the slots using it, dropped slots included. Internal op of the autograd."""
-    op = "moe_finalize_routing_bias_grad"
     if grad_y.is_cuda:
         # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
         # not capturable in a CUDA graph; docs/cuda.md) ----
         to_cpu = (lambda t: None if t is None else t.cpu())  # noqa: E731
         return moe_finalize_routing_bias_grad(grad_y.cpu(), to_cpu(expert_idx), to_cpu(scales),
                                               expert_num).to(grad_y.device)
-    grad_y, scales = grad_y.contiguous(), _contig(scales)
-    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
-    (sb,) = _C.infer_moe_finalize_routing_bias_grad(grad_y, eidx, scales, expert_num)
-    grad_bias = _empty(sb, grad_y.dtype, grad_y)
-    _C.moe_finalize_routing_bias_grad(grad_y, eidx, scales, expert_num, grad_bias)
+    grad_y, eidx, scales = grad_y.contiguous(), expert_idx.contiguous(), _contig(scales)
+    (grad_bias,) = _execute(_C.plan_moe_finalize_routing_bias_grad(grad_y, eidx, scales,
+                                                                   expert_num), grad_y)
     return grad_bias
 
 
 @moe_finalize_routing_bias_grad.register_fake
 def _(grad_y, expert_idx, scales, expert_num):
+    _same_device("moe_finalize_routing_bias_grad", ("grad_y", grad_y),
+                 ("expert_idx", expert_idx), ("scales", scales))
     return grad_y.new_empty((expert_num, grad_y.shape[1]))
 
 
@@ -320,14 +345,13 @@ moe_finalize_routing.register_autograd(_finalize_backward, setup_context=_finali
 def swiglu_group(x: Tensor, weight: Optional[Tensor] = None,
                  group_index: Optional[Tensor] = None, clamp_limit: float = -1.0) -> Tensor:
     x, weight, group_index = x.contiguous(), _contig(weight), _contig(group_index)
-    (sy,) = _C.infer_swiglu_group(x, weight, group_index, clamp_limit)
-    y = _empty(sy, x.dtype, x)
-    _C.swiglu_group(x, weight, group_index, clamp_limit, y)
+    (y,) = _execute(_C.plan_swiglu_group(x, weight, group_index, clamp_limit), x)
     return y
 
 
 @swiglu_group.register_fake
 def _(x, weight=None, group_index=None, clamp_limit=-1.0):
+    _same_device("swiglu_group", ("x", x), ("weight", weight), ("group_index", group_index))
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
@@ -338,17 +362,15 @@ def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tens
                                 clamp_limit: float = -1.0) -> Tuple[Tensor, Tensor]:
     grad_y, x = grad_y.contiguous(), x.contiguous()
     weight, y_origin, group_index = _contig(weight), _contig(y_origin), _contig(group_index)
-    sx, sw = _C.infer_swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index,
-                                                  clamp_limit)
-    grad_x = _empty(sx, x.dtype, x)
-    grad_w = _empty(sw, torch.float32, x)
-    _C.swiglu_group_quant_backward(grad_y, x, weight, y_origin, group_index, clamp_limit,
-                                   grad_x, grad_w if weight is not None else None)
+    grad_x, grad_w = _execute(_C.plan_swiglu_group_quant_backward(grad_y, x, weight, y_origin,
+                                                                  group_index, clamp_limit), x)
     return grad_x, grad_w
 
 
 @swiglu_group_quant_backward.register_fake
 def _(grad_y, x, weight=None, y_origin=None, group_index=None, clamp_limit=-1.0):
+    _same_device("swiglu_group_quant_backward", ("x", x), ("grad_y", grad_y), ("weight", weight),
+                 ("y_origin", y_origin), ("group_index", group_index))
     gw_shape = weight.shape if weight is not None else (0,)
     return x.new_empty(x.shape), x.new_empty(gw_shape, dtype=torch.float32)
 

@@ -5,8 +5,8 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <optional>
-
 #include <vector>
 
 #include "core/check.h"
@@ -18,14 +18,6 @@ using namespace moegrad;
 namespace {
 
 PyObject* g_error_class = nullptr;  // moegrad.MoeError, registered at import
-
-// ---- CUDA launch context (CUDA backend) ----
-// The torch front registers hook(device, workspace_bytes) -> (stream, workspace or None): the
-// stream is torch.cuda.current_stream(device).cuda_stream and the workspace a uint8 tensor from
-// torch's caching allocator, kept alive until the launch is enqueued (the allocator reuses it
-// in stream order). Args records the CUDA device of the call's views.
-PyObject* g_cuda_hook = nullptr;
-thread_local int t_cuda_device = -1;
 
 using Opt = std::optional<nb::ndarray<>>;  // None: an absent (or null) tensor
 
@@ -66,30 +58,35 @@ class Args {
       v.shape[i] = static_cast<int64_t>(a.shape(i));
       v.strides[i] = static_cast<int64_t>(a.stride(i));
     }
-    v.device = a.device_type() == nb::device::cuda::value ? Device::kCUDA : Device::kCPU;
+    // DLPack device codes equal Device's (cpu 1, cuda 2); any other is rejected in stage one.
+    v.device = static_cast<Device>(a.device_type());
     v.device_id = a.device_id();
-    if (v.device == Device::kCUDA) t_cuda_device = v.device_id;
-    views_.push_back(v);
-    return &views_.back();
-  }
-  Args() {
-    views_.reserve(16);  // pointers into views_ must stay valid
-    t_cuda_device = -1;
+    if (n_ == views_.size()) throw Error(kErrParamInvalid, "tensor: too many tensor arguments");
+    views_[n_] = v;
+    return &views_[n_++];
   }
 
  private:
-  std::vector<TensorView> views_;
+  std::array<TensorView, 16> views_;  // no allocation per call
+  size_t n_ = 0;
 };
 
+// ---- CUDA backend: one-shot calls on CUDA tensors ----
+// The torch front registers hook(device, workspace_bytes) -> (stream, workspace or None): torch's
+// current stream of the device and a uint8 workspace from its caching allocator, kept alive until
+// the launch is enqueued (the allocator reuses it in stream order).
+PyObject* g_cuda_hook = nullptr;
+
 void run(ExecutorPtr e) {
-  if (t_cuda_device >= 0) {
+  if (e->device() == Device::kCUDA) {
     if (g_cuda_hook == nullptr) {
       throw Error(kErrParamInvalid, "moegrad: device: CUDA tensors need the torch front "
                                     "(import moegrad) to provide the stream");
     }
     const uint64_t bytes = e->workspace_size();
+    const int dev = e->device_id();
     nb::tuple ctx = nb::cast<nb::tuple>(
-        nb::handle(g_cuda_hook)(t_cuda_device, static_cast<unsigned long long>(bytes)));
+        nb::handle(g_cuda_hook)(dev, static_cast<unsigned long long>(bytes)));
     void* stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(ctx[0]));
     void* ws = ctx[1].is_none() ? nullptr : nb::cast<nb::ndarray<>>(ctx[1]).data();
     nb::gil_scoped_release release;
@@ -102,10 +99,59 @@ void run(ExecutorPtr e) {
 
 using Shapes = std::vector<Shape>;
 
+// The one-shot calls below (inputs and outputs in one call) follow the C API's rules, int32
+// indices included; the plan_* / run pair is the Python front's path and takes int64 too.
+void c_index_rule(const char* op, const Opt& t, const char* arg) {
+  if (t) {
+    Args a;
+    require_index32(op, a(t), arg);
+  }
+}
+
+// A plan made without outputs (stage one of the Python front). Holds views of the inputs: the
+// caller keeps them alive until run().
+struct Plan {
+  ExecutorPtr exec;
+};
+
+// (plan, [(shape, dtype code), ...], workspace bytes): what Python needs to allocate.
+nb::tuple planned(ExecutorPtr e) {
+  const std::vector<OutputSpec>& outs = e->outputs();
+  nb::list specs;
+  for (const OutputSpec& o : outs) {
+    nb::list shape;
+    for (int64_t d : o.shape) shape.append(d);
+    specs.append(nb::make_tuple(shape, static_cast<int>(o.dtype)));
+  }
+  const uint64_t ws = e->workspace_size();
+  return nb::make_tuple(Plan{std::move(e)}, specs, ws);
+}
+
+// Stage two: binds the outputs and runs without the GIL (so Python threads run concurrently).
+void run_plan(Plan& plan, const std::vector<Opt>& outs, const Opt& workspace, uintptr_t stream) {
+  Args a;
+  std::array<const TensorView*, 8> views{};
+  if (outs.size() > views.size()) {
+    throw Error(kErrParamInvalid, cat("run: outputs: at most 8; got ", outs.size()));
+  }
+  for (size_t i = 0; i < outs.size(); ++i) views[i] = a(outs[i]);
+  if (!plan.exec) throw Error(kErrParamInvalid, "run: plan: already consumed; got a used plan");
+  const TensorView* ws = a(workspace);
+  if (ws && (ws->device != plan.exec->device() ||
+             (ws->device == Device::kCUDA && ws->device_id != plan.exec->device_id()))) {
+    throw Error(kErrParamInvalid, "run: workspace: must be on the device of the call's tensors");
+  }
+  void* ws_data = ws ? ws->data : nullptr;
+  const uint64_t ws_bytes = workspace ? static_cast<uint64_t>(workspace->nbytes()) : 0;
+  ExecutorPtr e = std::move(plan.exec);  // one run per plan
+  nb::gil_scoped_release release;
+  e->run(views.data(), outs.size(), ws_data, ws_bytes, reinterpret_cast<void*>(stream));
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
-  m.doc() = "moegrad native module: validation, shape inference and CPU kernels.";
+  m.doc() = "moegrad native module: plans (validation, shapes, backend, workspace) and runs.";
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -136,6 +182,69 @@ NB_MODULE(_C, m) {
 #endif
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &get_num_threads);
+  m.def("_validation_count", &validation_count);
+
+  // ---- the two stages of the Python front: plan_<op>(inputs, attrs) -> (plan, outputs,
+  // workspace bytes); run(plan, outputs, workspace, stream) ----
+  nb::class_<Plan>(m, "Plan");
+  m.def("run", &run_plan, nb::arg("plan"), nb::arg("outputs"), nb::arg("workspace").none(),
+        nb::arg("stream"));
+  m.def("plan_moe_gating_top_k",
+        [](const Opt& x, const Opt& bias, int64_t k, int64_t k_group, int64_t group_count,
+           int64_t group_select_mode, int64_t renorm, int64_t norm_type, bool out_flag,
+           double rsf, double eps) {
+          Args a;
+          GatingTopKAttrs at{k, k_group, group_count, group_select_mode, renorm, norm_type,
+                             out_flag, rsf, eps};
+          return planned(prepare_moe_gating_top_k(a(x), a(bias), at));
+        });
+  m.def("plan_moe_gating_top_k_backward",
+        [](const Opt& x_norm, const Opt& grad_y, const Opt& expert_idx, int64_t renorm,
+           int64_t norm_type, double rsf, double eps) {
+          Args a;
+          GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps};
+          return planned(
+              prepare_moe_gating_top_k_backward(a(x_norm), a(grad_y), a(expert_idx), at));
+        });
+  m.def("plan_moe_finalize_routing",
+        [](const Opt& ex, const Opt& idx, const Opt& x1, const Opt& x2, const Opt& bias,
+           const Opt& scales, const Opt& eidx, int64_t mode, int64_t k) {
+          Args a;
+          return planned(prepare_moe_finalize_routing(a(ex), a(idx), a(x1), a(x2), a(bias),
+                                                      a(scales), a(eidx),
+                                                      FinalizeRoutingAttrs{mode}, k));
+        });
+  m.def("plan_moe_finalize_routing_grad",
+        [](const Opt& gy, const Opt& idx, const Opt& ex, const Opt& scales, const Opt& eidx,
+           const Opt& bias, int64_t mode, int64_t active_num, int64_t expert_num,
+           int64_t expert_capacity) {
+          Args a;
+          FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity};
+          return planned(prepare_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales),
+                                                           a(eidx), a(bias), at));
+        });
+  m.def("plan_moe_finalize_routing_bias_grad",
+        [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num) {
+          Args a;
+          return planned(prepare_moe_finalize_routing_bias_grad(
+              a(gy), a(eidx), a(scales), FinalizeRoutingBiasGradAttrs{expert_num}));
+        });
+  m.def("plan_swiglu_group",
+        [](const Opt& x, const Opt& weight, const Opt& group_index, double clamp_limit) {
+          Args a;
+          return planned(
+              prepare_swiglu_group(a(x), a(weight), a(group_index), SwigluAttrs{clamp_limit}));
+        });
+  m.def("plan_swiglu_group_quant_backward",
+        [](const Opt& gy, const Opt& x, const Opt& weight, const Opt& y_origin,
+           const Opt& group_index, double clamp_limit) {
+          Args a;
+          return planned(prepare_swiglu_group_quant_grad(a(gy), a(x), a(weight), a(y_origin),
+                                                         a(group_index),
+                                                         SwigluAttrs{clamp_limit}));
+        });
+
+  // ---- one-shot calls with outputs (tests, kernel benchmarks); C API rules ----
 
   // ---- gating top-k ----
   m.def("moe_gating_top_k",
@@ -161,6 +270,7 @@ NB_MODULE(_C, m) {
            int64_t norm_type, double rsf, double eps, const Opt& grad_x) {
           Args a;
           GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps};
+          c_index_rule("moe_gating_top_k_backward", expert_idx, "expert_idx");
           run(plan_moe_gating_top_k_backward(a(x_norm), a(grad_y), a(expert_idx), at,
                                              a(grad_x)));
         });
@@ -177,6 +287,8 @@ NB_MODULE(_C, m) {
         [](const Opt& ex, const Opt& idx, const Opt& x1, const Opt& x2, const Opt& bias,
            const Opt& scales, const Opt& eidx, int64_t mode, const Opt& out) {
           Args a;
+          c_index_rule("moe_finalize_routing", idx, "expanded_row_idx");
+          c_index_rule("moe_finalize_routing", eidx, "expert_idx");
           run(plan_moe_finalize_routing(a(ex), a(idx), a(x1), a(x2), a(bias), a(scales),
                                         a(eidx), FinalizeRoutingAttrs{mode}, a(out)));
         });
@@ -193,6 +305,8 @@ NB_MODULE(_C, m) {
            int64_t expert_capacity, const Opt& gex, const Opt& gs) {
           Args a;
           FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity};
+          c_index_rule("moe_finalize_routing_grad", idx, "expanded_row_idx");
+          if (scales && bias) c_index_rule("moe_finalize_routing_grad", eidx, "expert_idx");
           run(plan_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales), a(eidx), a(bias),
                                              at, a(gex), a(gs)));
         });
@@ -211,6 +325,7 @@ NB_MODULE(_C, m) {
         [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num,
            const Opt& gb) {
           Args a;
+          c_index_rule("moe_finalize_routing_bias_grad", eidx, "expert_idx");
           run(plan_moe_finalize_routing_bias_grad(a(gy), a(eidx), a(scales),
                                                   FinalizeRoutingBiasGradAttrs{expert_num},
                                                   a(gb)));

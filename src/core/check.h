@@ -51,10 +51,15 @@ std::string cat(const Args&... args) {
   return os.str();
 }
 
+// Counts validations (validation_count(); one Validator per validation).
+void note_validation();
+
 class Validator {
  public:
   // `shape_code` is the status an operator documents for shape/attribute errors.
-  Validator(const char* op, int32_t shape_code) : op_(op), shape_code_(shape_code) {}
+  Validator(const char* op, int32_t shape_code) : op_(op), shape_code_(shape_code) {
+    note_validation();
+  }
 
   [[noreturn]] void fail(int32_t code, const char* arg, const std::string& rule) const;
   [[noreturn]] void fail_shape(const char* arg, const std::string& rule) const {
@@ -73,7 +78,11 @@ class Validator {
   void dtype_in(const TensorView& t, const char* arg, std::initializer_list<DType> allowed) const;
   // 161002 unless t.dtype == other.dtype.
   void same_dtype(const TensorView& t, const char* arg, DType want, const char* want_from) const;
-  // 161002 for non-contiguous views or views on another device than `device`.
+  // 161002 unless an index tensor: int32, or int64 (values checked to fit in int32 later).
+  void index_dtype(const TensorView& t, const char* arg) const;
+  // 161002 for non-contiguous views.
+  void contiguous(const TensorView& t, const char* arg) const;
+  // contiguous() plus "device type equals `device`" (select_backend checks devices fully).
   void layout(const TensorView& t, const char* arg, Device device) const;
   // Shape code unless rank == r.
   void rank(const TensorView& t, const char* arg, int r) const;
@@ -96,6 +105,9 @@ class Validator {
   const char* op_;
   int32_t shape_code_;
 };
+
+// The C API's index rule (int32 only), checked before planning; null passes (planning reports it).
+void require_index32(const char* op, const TensorView* t, const char* arg);
 
 constexpr std::initializer_list<DType> kFloatTypes = {DType::kFloat32, DType::kFloat16,
                                                       DType::kBFloat16};

@@ -2,6 +2,7 @@
 #include <atomic>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/check.h"
 #include "core/executor.h"
 #include "core/parallel.h"
@@ -162,16 +163,135 @@ void Validator::same_dtype(const TensorView& t, const char* arg, DType want,
   }
 }
 
-void Validator::layout(const TensorView& t, const char* arg, Device device) const {
+void Validator::index_dtype(const TensorView& t, const char* arg) const {
+  if (t.dtype != DType::kInt32 && t.dtype != DType::kInt64) {
+    fail(kErrParamInvalid, arg,
+         cat("dtype must be int32; got ", dtype_name(t.dtype), " (int64 is accepted too)"));
+  }
+}
+
+void Validator::contiguous(const TensorView& t, const char* arg) const {
   if (!t.is_contiguous()) {
     fail(kErrParamInvalid, arg, "tensor must be contiguous (row-major); got a strided view");
   }
+}
+
+void Validator::layout(const TensorView& t, const char* arg, Device device) const {
+  contiguous(t, arg);
   if (t.device != device) {
     fail(kErrParamInvalid, arg,
-         cat("tensor must be on the same device as the first input (",
-             device == Device::kCPU ? "cpu" : "cuda", "); got ",
-             t.device == Device::kCPU ? "cpu" : "cuda"));
+         cat("tensor must be on the same device as the first input (", device_str(device, 0),
+             "); got ", device_str(t.device, t.device_id)));
   }
+}
+
+void require_index32(const char* op, const TensorView* t, const char* arg) {
+  if (t != nullptr && t->dtype != DType::kInt32) {
+    throw Error(kErrParamInvalid,
+                cat(op, ": ", arg, ": dtype must be int32; got ", dtype_name(t->dtype)));
+  }
+}
+
+namespace {
+std::atomic<uint64_t> g_validations{0};
+
+bool same_shape(const TensorView& t, const Shape& s) {
+  if (t.ndim != static_cast<int>(s.size())) return false;
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] != s[i]) return false;
+  }
+  return true;
+}
+
+std::string shape_of(const Shape& s) {
+  std::string w = "[";
+  for (size_t i = 0; i < s.size(); ++i) w += (i ? ", " : "") + std::to_string(s[i]);
+  return w + "]";
+}
+}  // namespace
+
+void note_validation() { g_validations.fetch_add(1, std::memory_order_relaxed); }
+uint64_t validation_count() { return g_validations.load(std::memory_order_relaxed); }
+
+const char* backend_name(Backend b) { return b == Backend::kCUDA ? "cuda" : "cpu"; }
+
+std::string device_str(Device d, int32_t id) {
+  switch (d) {
+    case Device::kCPU: return "cpu";
+    case Device::kCUDA: return cat("cuda:", id);
+    default: return cat("device type ", static_cast<int32_t>(d));
+  }
+}
+
+Backend select_backend(const Validator& v, std::initializer_list<NamedView> tensors) {
+  const NamedView& first = *tensors.begin();
+  const Device dev = first.view->device;
+  const int32_t id = first.view->device_id;
+  Backend backend = Backend::kCPU;
+  switch (dev) {
+    case Device::kCPU: break;
+    case Device::kCUDA:
+#if defined(MOEGRAD_WITH_CUDA)
+      backend = Backend::kCUDA;
+      break;
+#else
+      v.fail(kErrParamInvalid, first.name,
+             cat("tensor is on ", device_str(dev, id),
+                 " but moegrad was built without CUDA (MOEGRAD_WITH_CUDA=OFF); got a cuda "
+                 "tensor"));
+#endif
+    default:
+      v.fail(kErrParamInvalid, first.name,
+             cat("tensor must be on cpu or cuda; got ", device_str(dev, id)));
+  }
+  for (const NamedView& t : tensors) {
+    if (t.view == nullptr || t.view == first.view) continue;
+    if (t.view->device != dev || (dev == Device::kCUDA && t.view->device_id != id)) {
+      v.fail(kErrParamInvalid, t.name,
+             cat("tensor must be on the device of ", first.name, " (", device_str(dev, id),
+                 "); got ", device_str(t.view->device, t.view->device_id)));
+    }
+  }
+  return backend;
+}
+
+void require_kernel(const char* op, Backend b, bool available) {
+  if (!available) {
+    throw Error(kErrParamInvalid, cat(op, ": device: this build has no ", backend_name(b),
+                                      " kernel for this operator; got ", backend_name(b),
+                                      " tensors"));
+  }
+}
+
+void bind_output(const PlanBase& p, size_t i, const TensorView* t, TensorView& slot) {
+  const OutputSpec& spec = p.outputs[i];
+  const char* name = p.out_names[i];
+  if (t == nullptr || (t->data == nullptr && t->numel() > 0)) {
+    if (spec.optional && t == nullptr) {
+      slot = TensorView{};
+      return;
+    }
+    throw Error(kErrNullptr, cat(p.op, ": ", name, ": required tensor must not be null; got null"));
+  }
+  if (t->dtype != spec.dtype) {
+    throw Error(kErrParamInvalid, cat(p.op, ": ", name, ": dtype must be ",
+                                      dtype_name(spec.dtype), " as planned; got ",
+                                      dtype_name(t->dtype)));
+  }
+  if (!t->is_contiguous()) {
+    throw Error(kErrParamInvalid,
+                cat(p.op, ": ", name, ": tensor must be contiguous (row-major); got a strided view"));
+  }
+  if (t->device != p.device || (p.device == Device::kCUDA && t->device_id != p.device_id)) {
+    throw Error(kErrParamInvalid, cat(p.op, ": ", name, ": tensor must be on the planned device (",
+                                      device_str(p.device, p.device_id), "); got ",
+                                      device_str(t->device, t->device_id)));
+  }
+  if (!same_shape(*t, spec.shape)) {
+    throw Error(p.shape_code, cat(p.op, ": ", name, ": shape must be ", shape_of(spec.shape),
+                                  " as planned; got ", shape_str(*t)));
+  }
+  slot = *t;
 }
 
 void Validator::rank(const TensorView& t, const char* arg, int r) const {

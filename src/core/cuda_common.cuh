@@ -1,5 +1,5 @@
 // Device helpers shared by the CUDA kernels (src/ops/<family>/<family>_cuda.cu): element loads
-// and stores widened to / narrowed from fp32 (RNE, the CPU's rounding via core/dtype_scalar.h),
+// and stores widened to / narrowed from fp32 (RNE, the CPU's rounding via core/convert.h),
 // 16-byte vectors, deterministic warp and block reductions, and host-side launch helpers.
 // Included only by .cu files.
 #ifndef MOEGRAD_CORE_CUDA_COMMON_CUH_
@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "core/check.h"
-#include "core/dtype_scalar.h"
+#include "core/convert.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
@@ -26,11 +26,11 @@ using f16 = __half;
 __device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ float ld(const f16* p) { return __half2float(*p); }
 __device__ __forceinline__ float ld(const bf16* p) {
-  return __uint_as_float(f32_bits_from_bf16_bits(p->bits));
+  return bf16_bits_to_f32(p->bits);
 }
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(f16 v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(bf16 v) { return __uint_as_float(f32_bits_from_bf16_bits(v.bits)); }
+__device__ __forceinline__ float to_f(bf16 v) { return bf16_bits_to_f32(v.bits); }
 
 template <typename T>
 __device__ __forceinline__ T from_f(float v);
@@ -44,7 +44,7 @@ __device__ __forceinline__ f16 from_f<f16>(float v) {
 }
 template <>
 __device__ __forceinline__ bf16 from_f<bf16>(float v) {
-  return bf16{bf16_bits_from_f32_bits(__float_as_uint(v))};
+  return bf16{f32_to_bf16_bits(v)};
 }
 template <typename T>
 __device__ __forceinline__ void st(T* p, float v) {
@@ -166,6 +166,12 @@ inline unsigned int grid_blocks(int64_t n, int64_t per_block) {
 
 // Workspace carving: 256-byte aligned slices.
 inline uint64_t ws_round(uint64_t b) { return (b + 255) / 256 * 256; }
+
+// Stage two: the int32 values of a device index tensor: its own data when int32, else its int64
+// values narrowed into `scratch` (reserved with index_scratch in stage one) by a kernel on
+// `stream`; values outside int32 become INT32_MIN, an invalid index that kernels skip (D6).
+const int32_t* device_index32(const char* op, const TensorView& t, int32_t* scratch,
+                              cudaStream_t stream);
 
 // ---- strict index mode (MOEGRAD_STRICT_INDICES=1; docs/decisions.md L46) ----
 

@@ -77,6 +77,28 @@ __global__ void repeat_kernel(const int32_t* __restrict__ idx, int64_t n,
 
 }  // namespace
 
+namespace {
+__global__ void narrow_kernel(const int64_t* __restrict__ in, int64_t n, int32_t* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t v = in[i];
+    out[i] = (v < INT32_MIN || v > INT32_MAX) ? INT32_MIN : static_cast<int32_t>(v);
+  }
+}
+}  // namespace
+
+const int32_t* device_index32(const char* op, const TensorView& t, int32_t* scratch,
+                              cudaStream_t stream) {
+  if (t.data == nullptr || t.dtype != DType::kInt64) return static_cast<const int32_t*>(t.data);
+  const int64_t n = t.numel();
+  if (n > 0) {
+    narrow_kernel<<<grid_blocks(n, 256), 256, 0, stream>>>(static_cast<const int64_t*>(t.data),
+                                                           n, scratch);
+    check_launch(op);
+  }
+  return scratch;
+}
+
 uint64_t strict_ws_bytes(int64_t hi, bool unique) {
   return ws_round(16) + (unique ? ws_round(sizeof(unsigned long long) * static_cast<uint64_t>(hi)) : 0);
 }

@@ -7,31 +7,24 @@
 #include <cstring>
 
 #include "core/check.h"
-#include "core/dtype_scalar.h"
+#include "core/convert.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
 
-using half_t = _Float16;  // IEEE binary16; GCC/Clang convert with round-to-nearest-even.
+// IEEE binary16; GCC/Clang convert with round-to-nearest-even, bit-identical to convert.h (tested).
+using half_t = _Float16;
 
 struct bf16_t {
   uint16_t bits;
 };
 
-inline uint32_t f32_bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return u;
-}
-inline float f32_from_bits(uint32_t u) {
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
+inline uint32_t f32_bits(float v) { return bits_of(v); }
+inline float f32_from_bits(uint32_t u) { return float_of(u); }
 
 inline float to_f32(float v) { return v; }
 inline float to_f32(half_t v) { return static_cast<float>(v); }
-inline float to_f32(bf16_t v) { return f32_from_bits(f32_bits_from_bf16_bits(v.bits)); }
+inline float to_f32(bf16_t v) { return bf16_bits_to_f32(v.bits); }
 
 template <typename T>
 inline T from_f32(float v);
@@ -45,7 +38,7 @@ inline half_t from_f32<half_t>(float v) {
 }
 template <>
 inline bf16_t from_f32<bf16_t>(float v) {
-  return bf16_t{bf16_bits_from_f32_bits(f32_bits(v))};  // shared with the CUDA kernels
+  return bf16_t{f32_to_bf16_bits(v)};
 }
 
 template <typename T>

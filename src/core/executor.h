@@ -1,36 +1,127 @@
-// The generic executor: a validated plan plus the kernel that runs it.
+// The generic executor: a validated plan plus the kernel of the backend stage one chose.
 #ifndef MOEGRAD_CORE_EXECUTOR_H_
 #define MOEGRAD_CORE_EXECUTOR_H_
 
+#include <array>
 #include <utility>
+#include <vector>
 
+#include "core/backend.h"
 #include "core/check.h"
+#include "core/workspace.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
 
-// Checks the workspace handed to stage two against the planned size.
-void check_workspace(const char* op, uint64_t need, const void* workspace, uint64_t bytes);
+// Fields every operator's plan carries. A plan struct derives from it and adds its tensors,
+// attributes and workspace slots, plus
+//   std::array<TensorView*, N> output_views();   // its output members, in output order
+struct PlanBase {
+  const char* op = "";
+  int32_t shape_code = kErrParamInvalid;  // the status of the op's shape errors
+  Backend backend = Backend::kCPU;
+  Device device = Device::kCPU;
+  int32_t device_id = 0;
+  uint64_t workspace_bytes = 0;
+  int threads = 1;      // CPU: threads of the row loop, fixed in stage one (scratch is per thread)
+  bool bound = false;   // outputs given (plan_*) or bound later (prepare_* + run with outputs)
+  std::vector<OutputSpec> outputs;     // what the op writes, in output order
+  std::vector<const char*> out_names;  // their argument names
 
-// Plan must provide: const char* op; uint64_t workspace_bytes; and a free function
-// run_plan(const Plan&, void* workspace, void* stream) found by argument-dependent lookup.
+  void add_output(const char* name, Shape shape, DType dtype, bool optional = false) {
+    outputs.push_back(OutputSpec{std::move(shape), dtype, optional});
+    out_names.push_back(name);
+  }
+};
+
+// Stage two's checks: the workspace against the planned size; a bound output against its spec
+// (present unless optional, dtype, contiguity, device, shape; O(1) each).
+void check_workspace(const char* op, uint64_t need, const void* workspace, uint64_t bytes);
+void bind_output(const PlanBase& plan, size_t i, const TensorView* given, TensorView& slot);
+
 template <typename Plan>
 class PlanExecutor final : public Executor {
  public:
-  explicit PlanExecutor(Plan plan) : plan_(std::move(plan)) {}
+  PlanExecutor(Plan plan, const KernelEntry<Plan>& kernel)
+      : plan_(std::move(plan)), run_(kernel.run) {}
   uint64_t workspace_size() const override { return plan_.workspace_bytes; }
+  const std::vector<OutputSpec>& outputs() const override { return plan_.outputs; }
+  Device device() const override { return plan_.device; }
+  int32_t device_id() const override { return plan_.device_id; }
+
+  void run(void* workspace, uint64_t bytes, void* stream) override {
+    if (!plan_.bound) {
+      throw Error(kErrNullptr, cat(plan_.op, ": outputs: planned without outputs, so run needs "
+                                             "them; got none"));
+    }
+    launch(workspace, bytes, stream);
+  }
+
+  void run(const TensorView* const* outs, size_t n, void* workspace, uint64_t bytes,
+           void* stream) override {
+    auto views = plan_.output_views();
+    if (n != views.size() || (n > 0 && outs == nullptr)) {
+      throw Error(kErrParamInvalid,
+                  cat(plan_.op, ": outputs: must be ", views.size(), " tensors; got ", n));
+    }
+    check_workspace(plan_.op, plan_.workspace_bytes, workspace, bytes);
+    for (size_t i = 0; i < n; ++i) bind_output(plan_, i, outs[i], *views[i]);
+    plan_.bound = true;
+    run_(plan_, Workspace(workspace), stream);
+  }
+
+ private:
+  void launch(void* workspace, uint64_t bytes, void* stream) {
+    check_workspace(plan_.op, plan_.workspace_bytes, workspace, bytes);
+    run_(plan_, Workspace(workspace), stream);
+  }
+
+  Plan plan_;
+  void (*run_)(const Plan&, const Workspace&, void*);
+};
+
+// Throws 161002 when this build has no kernel of `b` for the op.
+void require_kernel(const char* op, Backend b, bool available);
+
+// Stage one's tail: looks up the chosen backend's kernel, sizes its workspace, wraps the plan.
+template <typename Plan>
+ExecutorPtr make_executor(Plan plan, const KernelTable<Plan>& table) {
+  const KernelEntry<Plan>& k = table[plan.backend];
+  require_kernel(plan.op, plan.backend, k.run != nullptr);
+  WorkspaceLayout layout;
+  if (k.size) k.size(plan, layout);
+  plan.workspace_bytes = layout.bytes();
+  return ExecutorPtr(new PlanExecutor<Plan>(std::move(plan), k));
+}
+
+// Transitional form for plans not yet on a kernel table: Plan has `op`, `workspace_bytes` and a
+// free run_plan(const Plan&, void* workspace, void* stream) found by argument-dependent lookup.
+// CPU only, outputs given at plan time (no prepare_ form). New operators use the table form.
+template <typename Plan>
+class LegacyPlanExecutor final : public Executor {
+ public:
+  explicit LegacyPlanExecutor(Plan plan) : plan_(std::move(plan)) {}
+  uint64_t workspace_size() const override { return plan_.workspace_bytes; }
+  const std::vector<OutputSpec>& outputs() const override { return outputs_; }
+  Device device() const override { return Device::kCPU; }
+  int32_t device_id() const override { return 0; }
   void run(void* workspace, uint64_t bytes, void* stream) override {
     check_workspace(plan_.op, plan_.workspace_bytes, workspace, bytes);
     run_plan(plan_, workspace, stream);
   }
+  void run(const TensorView* const*, size_t, void*, uint64_t, void*) override {
+    throw Error(kErrParamInvalid, cat(plan_.op, ": outputs: this operator takes its outputs at "
+                                             "plan time; got outputs to bind"));
+  }
 
  private:
   Plan plan_;
+  std::vector<OutputSpec> outputs_;
 };
 
 template <typename Plan>
 ExecutorPtr make_executor(Plan plan) {
-  return ExecutorPtr(new PlanExecutor<Plan>(std::move(plan)));
+  return ExecutorPtr(new LegacyPlanExecutor<Plan>(std::move(plan)));
 }
 
 }  // namespace moegrad

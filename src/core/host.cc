@@ -4,17 +4,19 @@
 #include <utility>
 #include <vector>
 
+#include "core/convert.h"
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
 
 namespace moegrad {
 
-void check_index_range(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
-                       int64_t lo, int64_t hi) {
-  if (idx.device != Device::kCPU) return;
-  const int32_t* p = static_cast<const int32_t*>(idx.data);
-  const int64_t n = idx.numel();
+namespace {
+
+template <typename I>
+void range_impl(const Validator& v, int32_t code, const I* p, int64_t n, const char* arg,
+                int64_t lo, int64_t hi) {
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] < lo || p[i] >= hi) {
       v.fail(code, arg, cat("values must lie in [", lo, ", ", hi, "); got ", p[i],
@@ -23,17 +25,17 @@ void check_index_range(const Validator& v, int32_t code, const TensorView& idx, 
   }
 }
 
-void check_index_unique(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
-                        int64_t hi) {
-  if (idx.device != Device::kCPU) return;
-  const int32_t* p = static_cast<const int32_t*>(idx.data);
-  const int64_t n = idx.numel();
-  auto fail = [&](int32_t value, int64_t a, int64_t b) {
+// Unique check: a table of first positions when the value range is small (linear time, memory
+// bounded by the index length); otherwise sorted (value, position) pairs, so huge
+// expert_num * expert_capacity attributes do not allocate a table of `hi` entries.
+template <typename I>
+void unique_impl(const Validator& v, int32_t code, const I* p, int64_t n, const char* arg,
+                 int64_t hi) {
+  auto fail = [&](I value, int64_t a, int64_t b) {
     v.fail(code, arg, cat("each valid value must appear at most once; got ", value,
                           " at flat positions ", a, " and ", b));
   };
   if (hi <= 4 * n + 4096) {
-    // A table of first positions: linear time, memory bounded by the index length.
     std::vector<int64_t> first(static_cast<size_t>(std::max<int64_t>(hi, 0)), -1);
     for (int64_t i = 0; i < n; ++i) {
       if (p[i] < 0) continue;
@@ -43,9 +45,7 @@ void check_index_unique(const Validator& v, int32_t code, const TensorView& idx,
     }
     return;
   }
-  // A value range far larger than the index (huge expert_num * expert_capacity attributes):
-  // sort (value, position) pairs instead of allocating a table of `hi` entries.
-  std::vector<std::pair<int32_t, int64_t>> sorted;
+  std::vector<std::pair<I, int64_t>> sorted;
   sorted.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] >= 0) sorted.emplace_back(p[i], i);
@@ -63,6 +63,40 @@ void check_index_unique(const Validator& v, int32_t code, const TensorView& idx,
     const auto& b = sorted[static_cast<size_t>(best)];
     fail(b.first, sorted[static_cast<size_t>(best) - 1].second, b.second);
   }
+}
+
+}  // namespace
+
+void check_index_range(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
+                       int64_t lo, int64_t hi) {
+  if (idx.device != Device::kCPU) return;
+  if (idx.dtype == DType::kInt64) {
+    range_impl(v, code, static_cast<const int64_t*>(idx.data), idx.numel(), arg, lo, hi);
+  } else {
+    range_impl(v, code, static_cast<const int32_t*>(idx.data), idx.numel(), arg, lo, hi);
+  }
+}
+
+void check_index_unique(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
+                        int64_t hi) {
+  if (idx.device != Device::kCPU) return;
+  if (idx.dtype == DType::kInt64) {
+    unique_impl(v, code, static_cast<const int64_t*>(idx.data), idx.numel(), arg, hi);
+  } else {
+    unique_impl(v, code, static_cast<const int32_t*>(idx.data), idx.numel(), arg, hi);
+  }
+}
+
+Slot index_scratch(WorkspaceLayout& layout, const TensorView& t) {
+  return layout.add<int32_t>(t.dtype == DType::kInt64 ? t.numel() : 0);
+}
+
+const int32_t* index32(const TensorView& t, int32_t* scratch) {
+  if (t.dtype != DType::kInt64) return static_cast<const int32_t*>(t.data);
+  const int64_t* src = static_cast<const int64_t*>(t.data);
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) scratch[i] = narrow_index(src[i]);
+  return scratch;
 }
 
 void require_cpu(const char* op, const TensorView& t) {

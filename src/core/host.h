@@ -6,21 +6,28 @@
 #include <cstdint>
 
 #include "core/check.h"
+#include "core/workspace.h"
 
 namespace moegrad {
 
-// Every int32 value of a host tensor lies in [lo, hi); else `code`, naming the first bad
-// position and value.
+// Every value of a host int32/int64 tensor lies in [lo, hi); else `code`, naming the first bad
+// position and value (so int64 values outside int32 are rejected too).
 void check_index_range(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
                        int64_t lo, int64_t hi);
 
-// Every value of a host int32 tensor that is >= 0 appears at most once (values are already
+// Every value of a host int32/int64 tensor that is >= 0 appears at most once (values are already
 // known to be < hi).
 void check_index_unique(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
                         int64_t hi);
 
 // The CPU kernels only run on host views (161002 otherwise).
 void require_cpu(const char* op, const TensorView& t);
+
+// Stage one: workspace for index32 (int64 tensors only; an empty slot for int32).
+Slot index_scratch(WorkspaceLayout& layout, const TensorView& t);
+// Stage two (CPU): the int32 values of an index tensor: its own data when int32, else its int64
+// values narrowed into `scratch` (stage one checked that they fit).
+const int32_t* index32(const TensorView& t, int32_t* scratch);
 
 // Advises the kernel to back a large host output with transparent huge pages before it is first
 // written: a freshly allocated multi-GB output otherwise costs one page fault per 4 KiB, which

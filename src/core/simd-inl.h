@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "core/dtype.h"
+#include "core/parallel.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -26,7 +27,7 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
 // Elements processed per chunk of a row: a few streams of 8 KB stay in L1.
-constexpr size_t kChunk = 2048;
+constexpr size_t kChunk = static_cast<size_t>(kRowChunk);
 
 // Chunk buffers are padded to whole vectors so the SIMD loops need no tail code; the padding
 // lanes compute on stale values and are never stored.

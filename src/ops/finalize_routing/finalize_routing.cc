@@ -2,18 +2,16 @@
 #include "ops/finalize_routing/finalize_routing.h"
 
 #include "core/check.h"
+#include "core/backend.h"
 #include "core/executor.h"
 #include "core/host.h"
-#ifdef MOEGRAD_WITH_CUDA
-#include "core/cuda_backend.h"
-#endif
 
 namespace moegrad {
 
 namespace {
-// Checks a present optional tensor's dtype group and layout.
-void optional_layout(const Validator& v, const TensorView* t, const char* arg, Device dev) {
-  if (t) v.layout(*t, arg, dev);
+// Checks a present optional tensor's layout.
+void optional_layout(const Validator& v, const TensorView* t, const char* arg) {
+  if (t) v.contiguous(*t, arg);
 }
 // D6 on host tensors: dropless indices lie in [0, limit) (limit = R*K), drop-pad indices in
 // [-1, limit) (limit = E*C); each valid value appears at most once.
@@ -34,27 +32,31 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
                                               int64_t k_hint) {
   Validator v("moe_finalize_routing", kErrInnerNullptr);
   FinalizeRoutingPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(ex, "expanded_x");
   v.present(idx, "expanded_row_idx");
   if (with_outputs) v.present(out, "out");
   // Dtypes and layouts: 161002.
   v.dtype_in(*ex, "expanded_x", kFloatTypes);
-  v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
+  v.index_dtype(*idx, "expanded_row_idx");
   if (x1) v.same_dtype(*x1, "x1", ex->dtype, "expanded_x's dtype");
   if (x2) v.same_dtype(*x2, "x2", ex->dtype, "expanded_x's dtype");
   if (bias) v.same_dtype(*bias, "bias", ex->dtype, "expanded_x's dtype");
   if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
-  if (eidx) v.same_dtype(*eidx, "expert_idx", DType::kInt32, "int32");
+  if (eidx) v.index_dtype(*eidx, "expert_idx");
   if (with_outputs) v.same_dtype(*out, "out", ex->dtype, "expanded_x's dtype");
-  const Device dev = ex->device;
-  v.layout(*ex, "expanded_x", dev);
-  v.layout(*idx, "expanded_row_idx", dev);
-  optional_layout(v, x1, "x1", dev);
-  optional_layout(v, x2, "x2", dev);
-  optional_layout(v, bias, "bias", dev);
-  optional_layout(v, scales, "scales", dev);
-  optional_layout(v, eidx, "expert_idx", dev);
-  if (with_outputs) v.layout(*out, "out", dev);
+  p.backend = select_backend(v, {{"expanded_x", ex}, {"expanded_row_idx", idx}, {"x1", x1},
+                                 {"x2", x2}, {"bias", bias}, {"scales", scales},
+                                 {"expert_idx", eidx}, {"out", out}});
+  v.contiguous(*ex, "expanded_x");
+  v.contiguous(*idx, "expanded_row_idx");
+  optional_layout(v, x1, "x1");
+  optional_layout(v, x2, "x2");
+  optional_layout(v, bias, "bias");
+  optional_layout(v, scales, "scales");
+  optional_layout(v, eidx, "expert_idx");
+  if (with_outputs) v.contiguous(*out, "out");
 
   // Shapes and attributes: 561103.
   const int64_t mode = a.drop_pad_mode;
@@ -153,12 +155,10 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   p.rows = rows;
   p.num_bias = bias ? bias->shape[0] : 0;
   p.row_layout = mode >= 2;
-#ifdef MOEGRAD_WITH_CUDA
-  if (p.expanded_x.device == Device::kCUDA) {
-    p.strict_indices = strict_indices();
-    p.workspace_bytes = finalize_routing_cuda_workspace(p);
-  }
-#endif
+  p.device = ex->device;
+  p.device_id = ex->device_id;
+  p.bound = with_outputs;
+  p.add_output("out", {R, H}, ex->dtype);
   return p;
 }
 
@@ -168,6 +168,8 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
     const TensorView* gex, const TensorView* gs, bool with_outputs) {
   Validator v("moe_finalize_routing_grad", kErrInnerNullptr);
   FinalizeRoutingGradPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(gy, "grad_y");
   v.present(idx, "expanded_row_idx");
   if (with_outputs) {
@@ -180,26 +182,29 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   const TensorView* bias_used = scales ? bias : nullptr;
   const TensorView* eidx_used = bias_used ? eidx : nullptr;
   v.dtype_in(*gy, "grad_y", kFloatTypes);
-  v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
+  v.index_dtype(*idx, "expanded_row_idx");
   if (ex_used) v.same_dtype(*ex_used, "expanded_x", gy->dtype, "grad_y's dtype");
   if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
-  if (eidx_used) v.same_dtype(*eidx_used, "expert_idx", DType::kInt32, "int32");
+  if (eidx_used) v.index_dtype(*eidx_used, "expert_idx");
   if (bias_used) v.same_dtype(*bias_used, "bias", gy->dtype, "grad_y's dtype");
   const DType gs_dtype = scales ? scales->dtype : gy->dtype;
   if (with_outputs) {
     v.same_dtype(*gex, "grad_expanded_x", gy->dtype, "grad_y's dtype");
     v.same_dtype(*gs, "grad_scales", gs_dtype, scales ? "scales' dtype" : "grad_y's dtype");
   }
-  const Device dev = gy->device;
-  v.layout(*gy, "grad_y", dev);
-  v.layout(*idx, "expanded_row_idx", dev);
-  optional_layout(v, ex_used, "expanded_x", dev);
-  optional_layout(v, scales, "scales", dev);
-  optional_layout(v, eidx_used, "expert_idx", dev);
-  optional_layout(v, bias_used, "bias", dev);
+  p.backend = select_backend(v, {{"grad_y", gy}, {"expanded_row_idx", idx},
+                                 {"expanded_x", ex_used}, {"scales", scales},
+                                 {"expert_idx", eidx_used}, {"bias", bias_used},
+                                 {"grad_expanded_x", gex}, {"grad_scales", gs}});
+  v.contiguous(*gy, "grad_y");
+  v.contiguous(*idx, "expanded_row_idx");
+  optional_layout(v, ex_used, "expanded_x");
+  optional_layout(v, scales, "scales");
+  optional_layout(v, eidx_used, "expert_idx");
+  optional_layout(v, bias_used, "bias");
   if (with_outputs) {
-    v.layout(*gex, "grad_expanded_x", dev);
-    v.layout(*gs, "grad_scales", dev);
+    v.contiguous(*gex, "grad_expanded_x");
+    v.contiguous(*gs, "grad_scales");
   }
 
   const int64_t mode = a.drop_pad_mode;
@@ -312,17 +317,12 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   p.grad_expanded_x_shape = gex_shape;
   p.grad_scales_shape = gs_shape;
   p.grad_scales_dtype = gs_dtype;
-#ifdef MOEGRAD_WITH_CUDA
-  if (p.grad_y.device == Device::kCUDA) {
-    p.strict_indices = strict_indices();
-    p.workspace_bytes = finalize_routing_grad_cuda_workspace(p);
-  }
-#endif
+  p.device = gy->device;
+  p.device_id = gy->device_id;
+  p.bound = with_outputs;
+  p.add_output("grad_expanded_x", gex_shape, gy->dtype);
+  p.add_output("grad_scales", gs_shape, gs_dtype);
   return p;
-}
-
-uint64_t bias_grad_workspace(int64_t E, int64_t slots) {
-  return static_cast<uint64_t>((E + 1) * 8 + ((slots * 4 + 63) / 64) * 64);
 }
 
 FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
@@ -330,18 +330,21 @@ FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
     const FinalizeRoutingBiasGradAttrs& a, const TensorView* gb, bool with_outputs) {
   Validator v("moe_finalize_routing_bias_grad", kErrInnerNullptr);
   FinalizeRoutingBiasGradPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(gy, "grad_y");
   v.present(eidx, "expert_idx");
   if (with_outputs) v.present(gb, "grad_bias");
   v.dtype_in(*gy, "grad_y", kFloatTypes);
-  v.same_dtype(*eidx, "expert_idx", DType::kInt32, "int32");
+  v.index_dtype(*eidx, "expert_idx");
   if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
   if (with_outputs) v.same_dtype(*gb, "grad_bias", gy->dtype, "grad_y's dtype");
-  const Device dev = gy->device;
-  v.layout(*gy, "grad_y", dev);
-  v.layout(*eidx, "expert_idx", dev);
-  optional_layout(v, scales, "scales", dev);
-  if (with_outputs) v.layout(*gb, "grad_bias", dev);
+  p.backend = select_backend(v, {{"grad_y", gy}, {"expert_idx", eidx}, {"scales", scales},
+                                 {"grad_bias", gb}});
+  v.contiguous(*gy, "grad_y");
+  v.contiguous(*eidx, "expert_idx");
+  optional_layout(v, scales, "scales");
+  if (with_outputs) v.contiguous(*gb, "grad_bias");
   v.rank(*gy, "grad_y", 2);
   const int64_t R = gy->shape[0], H = gy->shape[1];
   v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
@@ -363,14 +366,24 @@ FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
   p.K = K;
   p.H = H;
   p.E = E;
-  p.workspace_bytes = bias_grad_workspace(E, R * K);
+  p.device = gy->device;
+  p.device_id = gy->device_id;
+  p.bound = with_outputs;
+  p.add_output("grad_bias", {E, H}, gy->dtype);
   return p;
 }
 
-void run_plan(const FinalizeRoutingBiasGradPlan& plan, void* workspace, void*) {
-  require_cpu(plan.op, plan.grad_y);
-  finalize_routing_bias_grad_cpu(plan, workspace);
-}
+namespace {
+const KernelTable<FinalizeRoutingPlan> kForward = {
+    {finalize_routing_cpu_size, finalize_routing_cpu},
+    MOEGRAD_CUDA_ENTRY(finalize_routing_cuda_size, finalize_routing_cuda)};
+const KernelTable<FinalizeRoutingGradPlan> kGrad = {
+    {finalize_routing_grad_cpu_size, finalize_routing_grad_cpu},
+    MOEGRAD_CUDA_ENTRY(finalize_routing_grad_cuda_size, finalize_routing_grad_cuda)};
+const KernelTable<FinalizeRoutingBiasGradPlan> kBiasGrad = {
+    {finalize_routing_bias_grad_cpu_size, finalize_routing_bias_grad_cpu},
+    MOEGRAD_CUDA_ENTRY(finalize_routing_bias_grad_cuda_size, finalize_routing_bias_grad_cuda)};
+}  // namespace
 
 ExecutorPtr plan_moe_finalize_routing_bias_grad(const TensorView* grad_y,
                                                 const TensorView* expert_idx,
@@ -378,7 +391,17 @@ ExecutorPtr plan_moe_finalize_routing_bias_grad(const TensorView* grad_y,
                                                 const FinalizeRoutingBiasGradAttrs& attrs,
                                                 const TensorView* grad_bias) {
   return make_executor(
-      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, grad_bias, true));
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, grad_bias, true),
+      kBiasGrad);
+}
+
+ExecutorPtr prepare_moe_finalize_routing_bias_grad(const TensorView* grad_y,
+                                                   const TensorView* expert_idx,
+                                                   const TensorView* scales,
+                                                   const FinalizeRoutingBiasGradAttrs& attrs) {
+  return make_executor(
+      validate_finalize_routing_bias_grad(grad_y, expert_idx, scales, attrs, nullptr, false),
+      kBiasGrad);
 }
 
 std::vector<Shape> infer_moe_finalize_routing_bias_grad(const TensorView* grad_y,
@@ -390,43 +413,24 @@ std::vector<Shape> infer_moe_finalize_routing_bias_grad(const TensorView* grad_y
   return {{p.E, p.H}};
 }
 
-void run_plan(const FinalizeRoutingPlan& plan, void* workspace, void* stream) {
-#ifdef MOEGRAD_WITH_CUDA
-  if (plan.expanded_x.device == Device::kCUDA) {
-    finalize_routing_cuda(plan, workspace, stream);
-    return;
-  }
-#else
-  (void)workspace;
-  (void)stream;
-#endif
-  require_cpu(plan.op, plan.expanded_x);
-  advise_output(plan.out);
-  finalize_routing_cpu(plan);
-}
-
-void run_plan(const FinalizeRoutingGradPlan& plan, void* workspace, void* stream) {
-#ifdef MOEGRAD_WITH_CUDA
-  if (plan.grad_y.device == Device::kCUDA) {
-    finalize_routing_grad_cuda(plan, workspace, stream);
-    return;
-  }
-#else
-  (void)workspace;
-  (void)stream;
-#endif
-  require_cpu(plan.op, plan.grad_y);
-  advise_output(plan.grad_expanded_x);
-  finalize_routing_grad_cpu(plan);
-}
-
 ExecutorPtr plan_moe_finalize_routing(const TensorView* expanded_x,
                                       const TensorView* expanded_row_idx, const TensorView* x1,
                                       const TensorView* x2, const TensorView* bias,
                                       const TensorView* scales, const TensorView* expert_idx,
                                       const FinalizeRoutingAttrs& attrs, const TensorView* out) {
   return make_executor(validate_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
-                                                 scales, expert_idx, attrs, out, true, 0));
+                                                 scales, expert_idx, attrs, out, true, 0),
+                       kForward);
+}
+
+ExecutorPtr prepare_moe_finalize_routing(const TensorView* expanded_x,
+                                         const TensorView* expanded_row_idx, const TensorView* x1,
+                                         const TensorView* x2, const TensorView* bias,
+                                         const TensorView* scales, const TensorView* expert_idx,
+                                         const FinalizeRoutingAttrs& attrs, int64_t k) {
+  return make_executor(validate_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
+                                                 scales, expert_idx, attrs, nullptr, false, k),
+                       kForward);
 }
 
 std::vector<Shape> infer_moe_finalize_routing(const TensorView* expanded_x,
@@ -449,7 +453,21 @@ ExecutorPtr plan_moe_finalize_routing_grad(const TensorView* grad_y,
                                            const TensorView* grad_scales) {
   return make_executor(validate_finalize_routing_grad(grad_y, expanded_row_idx, expanded_x,
                                                       scales, expert_idx, bias, attrs,
-                                                      grad_expanded_x, grad_scales, true));
+                                                      grad_expanded_x, grad_scales, true),
+                       kGrad);
+}
+
+ExecutorPtr prepare_moe_finalize_routing_grad(const TensorView* grad_y,
+                                              const TensorView* expanded_row_idx,
+                                              const TensorView* expanded_x,
+                                              const TensorView* scales,
+                                              const TensorView* expert_idx,
+                                              const TensorView* bias,
+                                              const FinalizeRoutingGradAttrs& attrs) {
+  return make_executor(validate_finalize_routing_grad(grad_y, expanded_row_idx, expanded_x,
+                                                      scales, expert_idx, bias, attrs, nullptr,
+                                                      nullptr, false),
+                       kGrad);
 }
 
 std::vector<Shape> infer_moe_finalize_routing_grad(const TensorView* grad_y,

@@ -4,13 +4,14 @@
 #ifndef MOEGRAD_OPS_FINALIZE_ROUTING_H_
 #define MOEGRAD_OPS_FINALIZE_ROUTING_H_
 
+#include <array>
+
+#include "core/executor.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
 
-struct FinalizeRoutingPlan {
-  const char* op = "moe_finalize_routing";
-  uint64_t workspace_bytes = 0;
+struct FinalizeRoutingPlan : PlanBase {
   TensorView expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, out;
   bool has_x1 = false, has_x2 = false, has_bias = false, has_scales = false;
   int64_t drop_pad_mode = 0;
@@ -18,12 +19,14 @@ struct FinalizeRoutingPlan {
   int64_t rows = 0;       // addressable expanded rows: dim0 (dropless) or E*C (drop-pad)
   int64_t num_bias = 0;   // E of bias
   bool row_layout = false;  // modes 2/3: flat = r*K + k; modes 0/1: flat = k*R + r
-  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 at planning time (CUDA, L46)
+  Slot ws_idx, ws_eidx;     // int64 indices narrowed to int32
+  Slot ws_acc, ws_stage;    // CPU scratch, one copy per thread
+  Slot ws_strict;               // CUDA strict index check (L46)
+  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)
+  std::array<TensorView*, 1> output_views() { return {&out}; }
 };
 
-struct FinalizeRoutingGradPlan {
-  const char* op = "moe_finalize_routing_grad";
-  uint64_t workspace_bytes = 0;
+struct FinalizeRoutingGradPlan : PlanBase {
   TensorView grad_y, expanded_row_idx, expanded_x, scales, expert_idx, bias;
   TensorView grad_expanded_x, grad_scales;
   bool has_scales = false, has_bias = false;
@@ -33,19 +36,25 @@ struct FinalizeRoutingGradPlan {
   int64_t num_bias = 0;
   Shape grad_expanded_x_shape, grad_scales_shape;
   DType grad_scales_dtype = DType::kFloat32;
-  bool strict_indices = false;
+  Slot ws_idx, ws_eidx;                // int64 indices narrowed to int32
+  Slot ws_covered;                     // rows of grad_expanded_x some index addresses
+  Slot ws_g, ws_scaled, ws_stage;      // CPU scratch, one copy per thread
+  int zero_threads = 1;                // threads of the zero-fill loop
+  Slot ws_owner, ws_strict;            // CUDA: row owner map (L44), strict index check (L46)
+  bool strict_indices = false;         // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)
+  std::array<TensorView*, 2> output_views() { return {&grad_expanded_x, &grad_scales}; }
 };
 
-struct FinalizeRoutingBiasGradPlan {
-  const char* op = "moe_finalize_routing_bias_grad";
-  uint64_t workspace_bytes = 0;  // per-expert slot lists (see bias_grad_workspace)
+struct FinalizeRoutingBiasGradPlan : PlanBase {
   TensorView grad_y, expert_idx, scales, grad_bias;
   bool has_scales = false;
   int64_t R = 0, K = 0, H = 0, E = 0;
+  Slot ws_eidx;                    // int64 expert_idx narrowed to int32
+  Slot ws_offsets, ws_fill;        // per-expert slot lists: E + 1 offsets, E fill cursors
+  Slot ws_slots;                   // R*K slot numbers sorted by expert
+  Slot ws_acc;                     // CPU scratch, one tile row per thread
+  std::array<TensorView*, 1> output_views() { return {&grad_bias}; }
 };
-
-// Workspace of the bias gradient: E + 1 int64 offsets, then R*K int32 slot numbers.
-uint64_t bias_grad_workspace(int64_t E, int64_t slots);
 
 // k is the Python front's top-k hint, used only without outputs and only when R cannot be read
 // from another tensor (L4).
@@ -66,22 +75,28 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
     const FinalizeRoutingGradAttrs& attrs, const TensorView* grad_expanded_x,
     const TensorView* grad_scales, bool with_outputs);
 
-void run_plan(const FinalizeRoutingPlan& plan, void* workspace, void* stream);
-void run_plan(const FinalizeRoutingGradPlan& plan, void* workspace, void* stream);
-void run_plan(const FinalizeRoutingBiasGradPlan& plan, void* workspace, void* stream);
+// CPU kernels (finalize_routing_cpu.cc): workspace sizing (stage one) and run (stage two).
+void finalize_routing_cpu_size(FinalizeRoutingPlan& plan, WorkspaceLayout& layout);
+void finalize_routing_cpu(const FinalizeRoutingPlan& plan, const Workspace& ws, void* stream);
+void finalize_routing_grad_cpu_size(FinalizeRoutingGradPlan& plan, WorkspaceLayout& layout);
+void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan, const Workspace& ws,
+                               void* stream);
+void finalize_routing_bias_grad_cpu_size(FinalizeRoutingBiasGradPlan& plan,
+                                         WorkspaceLayout& layout);
+void finalize_routing_bias_grad_cpu(const FinalizeRoutingBiasGradPlan& plan, const Workspace& ws,
+                                    void* stream);
 
-void finalize_routing_cpu(const FinalizeRoutingPlan& plan);
-void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan);
-void finalize_routing_bias_grad_cpu(const FinalizeRoutingBiasGradPlan& plan, void* workspace);
-
-#ifdef MOEGRAD_WITH_CUDA
-// CUDA launchers (finalize_routing_cuda.cu): stage two on `stream` (a cudaStream_t) with the
-// workspace sized by the *_workspace function; no host synchronisation, no allocation.
-uint64_t finalize_routing_cuda_workspace(const FinalizeRoutingPlan& plan);
-void finalize_routing_cuda(const FinalizeRoutingPlan& plan, void* workspace, void* stream);
-uint64_t finalize_routing_grad_cuda_workspace(const FinalizeRoutingGradPlan& plan);
-void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, void* workspace,
+#if defined(MOEGRAD_WITH_CUDA)
+// CUDA kernels (finalize_routing_cuda.cu); `stream` is a cudaStream_t.
+void finalize_routing_cuda_size(FinalizeRoutingPlan& plan, WorkspaceLayout& layout);
+void finalize_routing_cuda(const FinalizeRoutingPlan& plan, const Workspace& ws, void* stream);
+void finalize_routing_grad_cuda_size(FinalizeRoutingGradPlan& plan, WorkspaceLayout& layout);
+void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, const Workspace& ws,
                                 void* stream);
+void finalize_routing_bias_grad_cuda_size(FinalizeRoutingBiasGradPlan& plan,
+                                          WorkspaceLayout& layout);
+void finalize_routing_bias_grad_cuda(const FinalizeRoutingBiasGradPlan& plan,
+                                     const Workspace& ws, void* stream);
 #endif
 
 }  // namespace moegrad

@@ -1,5 +1,6 @@
 // extern "C" entry points of MoeFinalizeRoutingV2 and MoeFinalizeRoutingV2Grad (§3.2, §4.2).
 #include "core/acl_api.h"
+#include "core/check.h"
 
 using namespace moegrad;
 
@@ -11,6 +12,8 @@ aclnnStatus aclnnMoeFinalizeRoutingV2GetWorkspaceSize(
     const aclTensor* expertIdxOptional, int64_t dropPadMode, const aclTensor* out,
     uint64_t* workspaceSize, aclOpExecutor** executor) {
   return stage_one("moe_finalize_routing", workspaceSize, executor, [&] {
+    require_index32("moe_finalize_routing", view_of(expandedRowIdx), "expanded_row_idx");
+    require_index32("moe_finalize_routing", view_of(expertIdxOptional), "expert_idx");
     return plan_moe_finalize_routing(view_of(expandedX), view_of(expandedRowIdx),
                                      view_of(x1Optional), view_of(x2Optional),
                                      view_of(biasOptional), view_of(scalesOptional),
@@ -31,6 +34,10 @@ aclnnStatus aclnnMoeFinalizeRoutingV2GradGetWorkspaceSize(
     int64_t expertCapacity, const aclTensor* gradExpandedXOut, const aclTensor* gradScalesOut,
     uint64_t* workspaceSize, aclOpExecutor** executor) {
   return stage_one("moe_finalize_routing_grad", workspaceSize, executor, [&] {
+    require_index32("moe_finalize_routing_grad", view_of(expandedRowIdx), "expanded_row_idx");
+    if (scalesOptional && biasOptional) {  // expert_idx is only read (and checked) with both
+      require_index32("moe_finalize_routing_grad", view_of(expertIdxOptional), "expert_idx");
+    }
     FinalizeRoutingGradAttrs a{dropPadMode, activeNum, expertNum, expertCapacity};
     return plan_moe_finalize_routing_grad(view_of(gradY), view_of(expandedRowIdx),
                                           view_of(expandedXOptional), view_of(scalesOptional),
@@ -49,6 +56,7 @@ aclnnStatus aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(
     int64_t expertNum, const aclTensor* gradBiasOut, uint64_t* workspaceSize,
     aclOpExecutor** executor) {
   return stage_one("moe_finalize_routing_bias_grad", workspaceSize, executor, [&] {
+    require_index32("moe_finalize_routing_bias_grad", view_of(expertIdx), "expert_idx");
     return plan_moe_finalize_routing_bias_grad(view_of(gradY), view_of(expertIdx),
                                                view_of(scalesOptional),
                                                FinalizeRoutingBiasGradAttrs{expertNum},

@@ -1,19 +1,18 @@
 // CPU kernels of finalize routing forward (§4.5) and grad (§3.5), compiled once per SIMD target
 // (Highway; the row loops are vectorised by the compiler for each target) and dispatched at run
-// time. One token row per iteration, fp32 accumulation in a per-thread row buffer, fixed
-// summation order (D16).
+// time. One token row per iteration, fp32 accumulation in a per-thread row buffer taken from the
+// workspace, fixed summation order (D16).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/finalize_routing/finalize_routing_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "core/dtype.h"
+#include "core/host.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
-#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "ops/finalize_routing/finalize_routing.h"
 
@@ -22,28 +21,25 @@ namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
-int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
-
 template <typename T, typename S>
-void finalize_rows(const FinalizeRoutingPlan& p, int64_t begin, int64_t end) {
+void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32_t* eidx,
+                   const Workspace& ws, int tid, int64_t begin, int64_t end) {
   const int64_t R = p.R, K = p.K, H = p.H;
   const T* ex = typed<T>(p.expanded_x);
-  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
   const T* x1 = p.has_x1 ? typed<T>(p.x1) : nullptr;
   const T* x2 = p.has_x2 ? typed<T>(p.x2) : nullptr;
   const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
   const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
-  const int32_t* eidx = p.has_bias ? typed<int32_t>(p.expert_idx) : nullptr;
   T* out = typed<T>(p.out);
-  std::vector<float> acc(H);
-  auto stage = hwy::AllocateAligned<T>(kChunk);
+  float* acc = ws.get<float>(p.ws_acc, tid);
+  T* stage = ws.get<T>(p.ws_stage, tid);
 
   for (int64_t r = begin; r < end; ++r) {
     if (x1) {
       const T* a = x1 + r * H;
       for (int64_t j = 0; j < H; ++j) acc[j] = to_f32(a[j]);
     } else {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc, acc + H, 0.0f);
     }
     if (x2) {
       const T* b = x2 + r * H;
@@ -71,27 +67,27 @@ void finalize_rows(const FinalizeRoutingPlan& p, int64_t begin, int64_t end) {
     }
     T* o = out + r * H;
     for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-      stream_chunk(acc.data() + h0, o + h0, static_cast<size_t>(std::min<int64_t>(kChunk, H - h0)),
-                   stage.get());
+      stream_chunk(acc + h0, o + h0, static_cast<size_t>(std::min<int64_t>(kChunk, H - h0)),
+                   stage);
     }
   }
   hwy::FlushStream();
 }
 
 template <typename T, typename S>
-void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t end) {
+void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
+                        const int32_t* eidx, const Workspace& ws, int tid, int64_t begin,
+                        int64_t end) {
   const int64_t K = p.K, H = p.H;
   const T* gy = typed<T>(p.grad_y);
-  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
   const T* ex = p.has_scales ? typed<T>(p.expanded_x) : nullptr;
   const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
   const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
-  const int32_t* eidx = p.has_bias ? typed<int32_t>(p.expert_idx) : nullptr;
   T* gex = typed<T>(p.grad_expanded_x);
   S* gs = typed<S>(p.grad_scales);
-  std::vector<float> g(H);
-  auto scaled = hwy::AllocateAligned<float>(kChunk);
-  auto stage = hwy::AllocateAligned<T>(kChunk);
+  float* g = ws.get<float>(p.ws_g, tid);
+  float* scaled = ws.get<float>(p.ws_scaled, tid);
+  T* stage = ws.get<T>(p.ws_stage, tid);
 
   for (int64_t r = begin; r < end; ++r) {
     const T* gyr = gy + r * H;
@@ -107,7 +103,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, int64_t begin, int64_t
         for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
           const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
           for (size_t j = 0; j < n; ++j) scaled[j] = g[h0 + j] * s;
-          stream_chunk(scaled.get(), dst + h0, n, stage.get());
+          stream_chunk(scaled, dst + h0, n, stage);
         }
       }
       if (!scales) {
@@ -157,25 +153,24 @@ void bias_grad_tile(const FinalizeRoutingBiasGradPlan& p, const int64_t* offsets
 
 }  // namespace
 
-void FinalizeBiasGrad(const FinalizeRoutingBiasGradPlan& p, void* workspace) {
+void FinalizeBiasGrad(const FinalizeRoutingBiasGradPlan& p, const Workspace& ws) {
   // Counting sort of the slots by expert (stable, so each list is in slot order), into the
   // workspace: offsets[E + 1], then the slot numbers.
   const int64_t E = p.E, n_slots = p.R * p.K, H = p.H;
-  int64_t* offsets = static_cast<int64_t*>(workspace);
-  int32_t* slots = reinterpret_cast<int32_t*>(offsets + E + 1);
-  const int32_t* eidx = typed<int32_t>(p.expert_idx);
+  int64_t* offsets = ws.get<int64_t>(p.ws_offsets);
+  int64_t* fill = ws.get<int64_t>(p.ws_fill);
+  int32_t* slots = ws.get<int32_t>(p.ws_slots);
+  const int32_t* eidx = index32(p.expert_idx, ws.get<int32_t>(p.ws_eidx));
   std::fill(offsets, offsets + E + 1, int64_t{0});
   for (int64_t i = 0; i < n_slots; ++i) {
     const int32_t e = eidx[i];
     if (e >= 0 && e < E) ++offsets[e + 1];  // invalid device indices are skipped
   }
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-  {
-    std::vector<int64_t> fill(offsets, offsets + E);
-    for (int64_t i = 0; i < n_slots; ++i) {
-      const int32_t e = eidx[i];
-      if (e >= 0 && e < E) slots[fill[e]++] = static_cast<int32_t>(i);
-    }
+  std::copy(offsets, offsets + E, fill);
+  for (int64_t i = 0; i < n_slots; ++i) {
+    const int32_t e = eidx[i];
+    if (e >= 0 && e < E) slots[fill[e]++] = static_cast<int32_t>(i);
   }
   // Tiles of (expert, column chunk) balance skewed expert loads across threads.
   const int64_t chunk = static_cast<int64_t>(kChunk);
@@ -185,34 +180,39 @@ void FinalizeBiasGrad(const FinalizeRoutingBiasGradPlan& p, void* workspace) {
     using T = typename decltype(tag)::type;
     dispatch_float(sdt, "scales", [&](auto stag) {
       using S = typename decltype(stag)::type;
-      parallel_for(E * n_chunks, 1, [&](int64_t b, int64_t end) {
-        std::vector<float> acc(static_cast<size_t>(std::min(chunk, H)));
+      parallel_rows(E * n_chunks, p.threads, [&](int tid, int64_t b, int64_t end) {
+        float* acc = ws.get<float>(p.ws_acc, tid);
         for (int64_t t = b; t < end; ++t) {
           const int64_t e = t / n_chunks, h0 = (t % n_chunks) * chunk;
-          bias_grad_tile<T, S>(p, offsets, slots, e, h0, std::min(chunk, H - h0), acc.data());
+          bias_grad_tile<T, S>(p, offsets, slots, e, h0, std::min(chunk, H - h0), acc);
         }
       });
     });
   });
 }
 
-void FinalizeForward(const FinalizeRoutingPlan& p) {
+void FinalizeForward(const FinalizeRoutingPlan& p, const Workspace& ws) {
   const DType sdt = p.has_scales ? p.scales.dtype : p.expanded_x.dtype;
+  const int32_t* idx = index32(p.expanded_row_idx, ws.get<int32_t>(p.ws_idx));
+  const int32_t* eidx = p.has_bias ? index32(p.expert_idx, ws.get<int32_t>(p.ws_eidx)) : nullptr;
   dispatch_float(p.expanded_x.dtype, "expanded_x", [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_float(sdt, "scales", [&](auto stag) {
       using S = typename decltype(stag)::type;
-      parallel_for(p.R, grain_rows(p.H * p.K),
-                   [&](int64_t b, int64_t e) { finalize_rows<T, S>(p, b, e); });
+      parallel_rows(p.R, p.threads, [&](int tid, int64_t b, int64_t e) {
+        finalize_rows<T, S>(p, idx, eidx, ws, tid, b, e);
+      });
     });
   });
 }
 
-void FinalizeBackward(const FinalizeRoutingGradPlan& p) {
+void FinalizeBackward(const FinalizeRoutingGradPlan& p, const Workspace& ws) {
+  const int32_t* idx = index32(p.expanded_row_idx, ws.get<int32_t>(p.ws_idx));
+  const int32_t* eidx = p.has_bias ? index32(p.expert_idx, ws.get<int32_t>(p.ws_eidx)) : nullptr;
   // Rows of grad_expanded_x that no valid index addresses are zeroed; the others are written
   // exactly once by the scatter below (indices are unique, D6).
-  std::vector<unsigned char> covered(static_cast<size_t>(p.rows), 0);
-  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
+  unsigned char* covered = ws.get<unsigned char>(p.ws_covered);
+  std::memset(covered, 0, static_cast<size_t>(p.rows));
   const int64_t n_idx = p.R * p.K;
   for (int64_t i = 0; i < n_idx; ++i) {
     if (idx[i] >= 0 && idx[i] < p.rows) covered[static_cast<size_t>(idx[i])] = 1;
@@ -220,7 +220,7 @@ void FinalizeBackward(const FinalizeRoutingGradPlan& p) {
   const int64_t H = p.H;
   const size_t row_bytes = static_cast<size_t>(H * dtype_size(p.grad_y.dtype));
   unsigned char* gex = static_cast<unsigned char*>(p.grad_expanded_x.data);
-  parallel_for(p.rows, grain_rows(H), [&](int64_t b, int64_t e) {
+  parallel_rows(p.rows, p.zero_threads, [&](int, int64_t b, int64_t e) {
     for (int64_t d = b; d < e; ++d) {
       if (!covered[static_cast<size_t>(d)]) std::memset(gex + d * row_bytes, 0, row_bytes);
     }
@@ -230,8 +230,9 @@ void FinalizeBackward(const FinalizeRoutingGradPlan& p) {
     using T = typename decltype(tag)::type;
     dispatch_float(sdt, "grad_scales", [&](auto stag) {
       using S = typename decltype(stag)::type;
-      parallel_for(p.R, grain_rows(H * p.K),
-                   [&](int64_t b, int64_t e) { finalize_grad_rows<T, S>(p, b, e); });
+      parallel_rows(p.R, p.threads, [&](int tid, int64_t b, int64_t e) {
+        finalize_grad_rows<T, S>(p, idx, eidx, ws, tid, b, e);
+      });
     });
   });
 }
@@ -246,14 +247,53 @@ HWY_EXPORT(FinalizeForward);
 HWY_EXPORT(FinalizeBackward);
 HWY_EXPORT(FinalizeBiasGrad);
 
-void finalize_routing_cpu(const FinalizeRoutingPlan& plan) {
-  HWY_DYNAMIC_DISPATCH(FinalizeForward)(plan);
+namespace {
+int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+}  // namespace
+
+void finalize_routing_cpu_size(FinalizeRoutingPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.R, grain_rows(p.H * p.K));
+  p.ws_idx = index_scratch(layout, p.expanded_row_idx);
+  p.ws_eidx = index_scratch(layout, p.expert_idx);
+  p.ws_acc = layout.add<float>(p.H, p.threads);
+  p.ws_stage = layout.add<float>(kRowChunk, p.threads);  // kRowChunk elements of any T <= 4 B
 }
-void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan) {
-  HWY_DYNAMIC_DISPATCH(FinalizeBackward)(plan);
+
+void finalize_routing_cpu(const FinalizeRoutingPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.out);
+  HWY_DYNAMIC_DISPATCH(FinalizeForward)(plan, ws);
 }
-void finalize_routing_bias_grad_cpu(const FinalizeRoutingBiasGradPlan& plan, void* workspace) {
-  HWY_DYNAMIC_DISPATCH(FinalizeBiasGrad)(plan, workspace);
+
+void finalize_routing_grad_cpu_size(FinalizeRoutingGradPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.R, grain_rows(p.H * p.K));
+  p.zero_threads = plan_threads(p.rows, grain_rows(p.H));
+  p.ws_idx = index_scratch(layout, p.expanded_row_idx);
+  p.ws_eidx = index_scratch(layout, p.expert_idx);
+  p.ws_covered = layout.add<unsigned char>(p.rows);
+  p.ws_g = layout.add<float>(p.H, p.threads);
+  p.ws_scaled = layout.add<float>(kRowChunk, p.threads);
+  p.ws_stage = layout.add<float>(kRowChunk, p.threads);
+}
+
+void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.grad_expanded_x);
+  HWY_DYNAMIC_DISPATCH(FinalizeBackward)(plan, ws);
+}
+
+void finalize_routing_bias_grad_cpu_size(FinalizeRoutingBiasGradPlan& p,
+                                         WorkspaceLayout& layout) {
+  const int64_t chunk = kRowChunk;
+  p.threads = plan_threads(p.E * ((p.H + chunk - 1) / chunk), 1);
+  p.ws_eidx = index_scratch(layout, p.expert_idx);
+  p.ws_offsets = layout.add<int64_t>(p.E + 1);
+  p.ws_fill = layout.add<int64_t>(p.E);
+  p.ws_slots = layout.add<int32_t>(p.R * p.K);
+  p.ws_acc = layout.add<float>(std::min(chunk, p.H), p.threads);
+}
+
+void finalize_routing_bias_grad_cpu(const FinalizeRoutingBiasGradPlan& plan, const Workspace& ws,
+                                    void*) {
+  HWY_DYNAMIC_DISPATCH(FinalizeBiasGrad)(plan, ws);
 }
 }  // namespace moegrad
 #endif  // HWY_ONCE

@@ -7,6 +7,7 @@
 // fixed-order block reduction (no floating-point atomics, D16; L44).
 #include "core/cuda_backend.h"
 #include "core/cuda_common.cuh"
+#include "core/host.h"
 #include "ops/finalize_routing/finalize_routing.h"
 
 namespace moegrad {
@@ -268,26 +269,40 @@ uint64_t strict_bytes(bool strict, int64_t limit, int64_t num_bias) {
 }  // namespace
 }  // namespace cuda
 
-uint64_t finalize_routing_cuda_workspace(const FinalizeRoutingPlan& plan) {
-  const bool drop_pad = plan.drop_pad_mode == 1 || plan.drop_pad_mode == 3;
-  return cuda::strict_bytes(plan.strict_indices, drop_pad ? plan.rows : plan.R * plan.K,
-                            plan.num_bias);
+namespace {
+Slot strict_slot(WorkspaceLayout& layout, int64_t limit, int64_t num_bias) {
+  return layout.add<unsigned char>(static_cast<int64_t>(cuda::strict_bytes(true, limit, num_bias)));
 }
+}  // namespace
 
-void finalize_routing_cuda(const FinalizeRoutingPlan& plan, void* workspace, void* stream) {
-  using namespace cuda;
-  if (plan.R == 0) return;  // zero tokens launch nothing
-  set_device(plan.op, plan.expanded_x.device_id);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int32_t* idx = static_cast<const int32_t*>(plan.expanded_row_idx.data);
+void finalize_routing_cuda_size(FinalizeRoutingPlan& plan, WorkspaceLayout& layout) {
+  plan.ws_idx = index_scratch(layout, plan.expanded_row_idx);
+  if (plan.has_bias) plan.ws_eidx = index_scratch(layout, plan.expert_idx);
+  plan.strict_indices = strict_indices();
   const bool drop_pad = plan.drop_pad_mode == 1 || plan.drop_pad_mode == 3;
   if (plan.strict_indices) {
+    plan.ws_strict = strict_slot(layout, drop_pad ? plan.rows : plan.R * plan.K, plan.num_bias);
+  }
+}
+
+void finalize_routing_cuda(const FinalizeRoutingPlan& plan, const Workspace& ws, void* stream) {
+  using namespace cuda;
+  if (plan.R == 0) return;  // zero tokens launch nothing
+  set_device(plan.op, plan.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int32_t* idx =
+      device_index32(plan.op, plan.expanded_row_idx, ws.get<int32_t>(plan.ws_idx), s);
+  const int32_t* eidx =
+      plan.has_bias ? device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_eidx), s)
+                    : nullptr;
+  const bool drop_pad = plan.drop_pad_mode == 1 || plan.drop_pad_mode == 3;
+  if (plan.strict_indices) {
+    void* sws = ws.get<unsigned char>(plan.ws_strict);
     strict_check(plan.op, kErrInnerNullptr, "expanded_row_idx", idx, plan.R * plan.K,
-                 drop_pad ? -1 : 0, drop_pad ? plan.rows : plan.R * plan.K, true, workspace, s);
+                 drop_pad ? -1 : 0, drop_pad ? plan.rows : plan.R * plan.K, true, sws, s);
     if (plan.has_bias) {
-      strict_check(plan.op, kErrInnerNullptr, "expert_idx",
-                   static_cast<const int32_t*>(plan.expert_idx.data), plan.R * plan.K, 0,
-                   plan.num_bias, false, workspace, s);
+      strict_check(plan.op, kErrInnerNullptr, "expert_idx", eidx, plan.R * plan.K, 0,
+                   plan.num_bias, false, sws, s);
     }
   }
   FwdParams p;
@@ -297,7 +312,7 @@ void finalize_routing_cuda(const FinalizeRoutingPlan& plan, void* workspace, voi
   p.x2 = plan.has_x2 ? plan.x2.data : nullptr;
   p.bias = plan.has_bias ? plan.bias.data : nullptr;
   p.scales = plan.has_scales ? plan.scales.data : nullptr;
-  p.eidx = plan.has_bias ? static_cast<const int32_t*>(plan.expert_idx.data) : nullptr;
+  p.eidx = eidx;
   p.out = plan.out.data;
   p.R = plan.R;
   p.K = plan.K;
@@ -315,35 +330,38 @@ void finalize_routing_cuda(const FinalizeRoutingPlan& plan, void* workspace, voi
   check_launch(plan.op);
 }
 
-namespace {
-uint64_t owner_bytes(const FinalizeRoutingGradPlan& plan) {
-  return cuda::ws_round(sizeof(long long) * static_cast<uint64_t>(plan.rows));
+void finalize_routing_grad_cuda_size(FinalizeRoutingGradPlan& plan, WorkspaceLayout& layout) {
+  plan.ws_idx = index_scratch(layout, plan.expanded_row_idx);
+  if (plan.has_bias) plan.ws_eidx = index_scratch(layout, plan.expert_idx);
+  plan.ws_owner = layout.add<long long>(plan.rows);
+  plan.strict_indices = strict_indices();
+  if (plan.strict_indices) {
+    const int64_t limit = plan.drop_pad_mode == 1 ? plan.rows : plan.R * plan.K;
+    plan.ws_strict = strict_slot(layout, limit, plan.num_bias);
+  }
 }
-}  // namespace
 
-uint64_t finalize_routing_grad_cuda_workspace(const FinalizeRoutingGradPlan& plan) {
-  const int64_t limit = plan.drop_pad_mode == 1 ? plan.rows : plan.R * plan.K;
-  return owner_bytes(plan) + cuda::strict_bytes(plan.strict_indices, limit, plan.num_bias);
-}
-
-void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, void* workspace,
+void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, const Workspace& ws,
                                 void* stream) {
   using namespace cuda;
   const int64_t n_idx = plan.R * plan.K;
   if (plan.rows == 0 && n_idx == 0) return;
-  set_device(plan.op, plan.grad_y.device_id);
+  set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int32_t* idx = static_cast<const int32_t*>(plan.expanded_row_idx.data);
-  auto* owner = static_cast<long long*>(workspace);
-  void* strict_ws = static_cast<char*>(workspace) + owner_bytes(plan);
+  const int32_t* idx =
+      device_index32(plan.op, plan.expanded_row_idx, ws.get<int32_t>(plan.ws_idx), s);
+  const int32_t* eidx =
+      plan.has_bias ? device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_eidx), s)
+                    : nullptr;
+  long long* owner = ws.get<long long>(plan.ws_owner);
   if (plan.strict_indices) {
+    void* sws = ws.get<unsigned char>(plan.ws_strict);
     const bool drop_pad = plan.drop_pad_mode == 1;
     strict_check(plan.op, kErrInnerNullptr, "expanded_row_idx", idx, n_idx, drop_pad ? -1 : 0,
-                 drop_pad ? plan.rows : n_idx, true, strict_ws, s);
+                 drop_pad ? plan.rows : n_idx, true, sws, s);
     if (plan.has_bias) {
-      strict_check(plan.op, kErrInnerNullptr, "expert_idx",
-                   static_cast<const int32_t*>(plan.expert_idx.data), n_idx, 0, plan.num_bias,
-                   false, strict_ws, s);
+      strict_check(plan.op, kErrInnerNullptr, "expert_idx", eidx, n_idx, 0, plan.num_bias, false,
+                   sws, s);
     }
   }
   const DType dt = plan.grad_y.dtype;
@@ -352,7 +370,7 @@ void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, void* works
   p.idx = idx;
   p.ex = plan.has_scales ? plan.expanded_x.data : nullptr;
   p.scales = plan.has_scales ? plan.scales.data : nullptr;
-  p.eidx = plan.has_bias ? static_cast<const int32_t*>(plan.expert_idx.data) : nullptr;
+  p.eidx = eidx;
   p.bias = plan.has_bias ? plan.bias.data : nullptr;
   p.gex = plan.grad_expanded_x.data;
   p.gs = plan.grad_scales.data;
@@ -375,12 +393,24 @@ void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, void* works
       owner_kernel<<<grid_blocks(n_idx, 256), 256, 0, s>>>(idx, n_idx, plan.rows, owner);
     }
     if (plan.rows > 0) {
-      zero_rows_kernel<T><<<grid_blocks(plan.rows, 1), kThreads, 0, s>>>(owner, plan.rows, plan.H,
-                                                                          p.vec, static_cast<T*>(p.gex));
+      zero_rows_kernel<T><<<grid_blocks(plan.rows, 1), kThreads, 0, s>>>(
+          owner, plan.rows, plan.H, p.vec, static_cast<T*>(p.gex));
     }
     if (plan.R > 0) finalize_grad_kernel<T><<<grid_blocks(plan.R, 1), kThreads, 0, s>>>(p);
   });
   check_launch(plan.op);
+}
+
+// No CUDA kernel for the bias gradient yet: planning refuses CUDA tensors (the Python front
+// computes it on the CPU for CUDA tensors; docs/cuda.md).
+void finalize_routing_bias_grad_cuda_size(FinalizeRoutingBiasGradPlan& plan, WorkspaceLayout&) {
+  throw Error(kErrParamInvalid, cat(plan.op, ": device: this operator has no CUDA kernel yet; "
+                                             "pass CPU tensors"));
+}
+
+void finalize_routing_bias_grad_cuda(const FinalizeRoutingBiasGradPlan& plan, const Workspace&,
+                                     void*) {
+  throw Error(kErrParamInvalid, cat(plan.op, ": device: this operator has no CUDA kernel yet"));
 }
 
 }  // namespace moegrad

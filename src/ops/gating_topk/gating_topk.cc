@@ -4,11 +4,9 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "core/backend.h"
 #include "core/executor.h"
 #include "core/host.h"
-#ifdef MOEGRAD_WITH_CUDA
-#include "core/cuda_backend.h"
-#endif
 
 namespace moegrad {
 
@@ -24,6 +22,8 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
                                      bool with_outputs) {
   Validator v("moe_gating_top_k", kErrTiling);
   GatingTopKPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(x, "x");
   if (with_outputs) {
     v.present(y, "y");
@@ -32,18 +32,20 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
   }
   // Dtypes and layouts: 161002 (§2.5).
   v.dtype_in(*x, "x", kFloatTypes);
-  v.layout(*x, "x", x->device);
-  if (bias) {
-    v.same_dtype(*bias, "bias", x->dtype, "x's dtype");
-    v.layout(*bias, "bias", x->device);
-  }
+  if (bias) v.same_dtype(*bias, "bias", x->dtype, "x's dtype");
   if (with_outputs) {
     v.same_dtype(*y, "y", x->dtype, "x's dtype");
     v.same_dtype(*expert_idx, "expert_idx", DType::kInt32, "int32");
     v.same_dtype(*norm_out, "norm_out", DType::kFloat32, "float32");
-    v.layout(*y, "y", x->device);
-    v.layout(*expert_idx, "expert_idx", x->device);
-    v.layout(*norm_out, "norm_out", x->device);
+  }
+  p.backend = select_backend(v, {{"x", x}, {"bias", bias}, {"y", y}, {"expert_idx", expert_idx},
+                                 {"norm_out", norm_out}});
+  v.contiguous(*x, "x");
+  if (bias) v.contiguous(*bias, "bias");
+  if (with_outputs) {
+    v.contiguous(*y, "y");
+    v.contiguous(*expert_idx, "expert_idx");
+    v.contiguous(*norm_out, "norm_out");
   }
   // Shapes and attributes: 561002 (§2.5, D2, D13).
   v.rank(*x, "x", 2);
@@ -99,11 +101,12 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
   p.M = M;
   p.N = N;
   p.grouped = grouped;
-#ifdef MOEGRAD_WITH_CUDA
-  if (p.x.device == Device::kCUDA) {
-    p.workspace_bytes = gating_top_k_cuda_workspace(p);
-  }
-#endif
+  p.device = x->device;
+  p.device_id = x->device_id;
+  p.bound = with_outputs;
+  p.add_output("y", {M, a.k}, x->dtype);
+  p.add_output("expert_idx", {M, a.k}, DType::kInt32);
+  p.add_output("norm_out", {M, N}, DType::kFloat32);
   return p;
 }
 
@@ -116,21 +119,22 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   // Every violation but a null tensor is 161002 (D3).
   Validator v("moe_gating_top_k_backward", kErrParamInvalid);
   GatingTopKBackwardPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(x_norm, "x_norm");
   v.present(grad_y, "grad_y");
   v.present(expert_idx, "expert_idx");
   if (with_outputs) v.present(grad_x, "grad_x");
   v.same_dtype(*x_norm, "x_norm", DType::kFloat32, "float32");
   v.dtype_in(*grad_y, "grad_y", kFloatTypes);
-  v.same_dtype(*expert_idx, "expert_idx", DType::kInt32, "int32");
-  const Device dev = x_norm->device;
-  v.layout(*x_norm, "x_norm", dev);
-  v.layout(*grad_y, "grad_y", dev);
-  v.layout(*expert_idx, "expert_idx", dev);
-  if (with_outputs) {
-    v.same_dtype(*grad_x, "grad_x", grad_y->dtype, "grad_y's dtype");
-    v.layout(*grad_x, "grad_x", dev);
-  }
+  v.index_dtype(*expert_idx, "expert_idx");
+  if (with_outputs) v.same_dtype(*grad_x, "grad_x", grad_y->dtype, "grad_y's dtype");
+  p.backend = select_backend(v, {{"x_norm", x_norm}, {"grad_y", grad_y},
+                                 {"expert_idx", expert_idx}, {"grad_x", grad_x}});
+  v.contiguous(*x_norm, "x_norm");
+  v.contiguous(*grad_y, "grad_y");
+  v.contiguous(*expert_idx, "expert_idx");
+  if (with_outputs) v.contiguous(*grad_x, "grad_x");
   v.rank(*x_norm, "x_norm", 2);
   v.rank(*grad_y, "grad_y", 2);
   v.rank(*expert_idx, "expert_idx", 2);
@@ -170,49 +174,33 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   p.M = M;
   p.N = N;
   p.K = K;
-#ifdef MOEGRAD_WITH_CUDA
-  if (p.x_norm.device == Device::kCUDA) {
-    p.strict_indices = strict_indices();
-    p.workspace_bytes = gating_top_k_backward_cuda_workspace(p);
-  }
-#endif
+  p.device = x_norm->device;
+  p.device_id = x_norm->device_id;
+  p.bound = with_outputs;
+  p.add_output("grad_x", {M, N}, grad_y->dtype);
   return p;
 }
 
-void run_plan(const GatingTopKPlan& plan, void* workspace, void* stream) {
-#ifdef MOEGRAD_WITH_CUDA
-  if (plan.x.device == Device::kCUDA) {
-    gating_top_k_cuda(plan, workspace, stream);
-    return;
-  }
-#else
-  (void)workspace;
-  (void)stream;
-#endif
-  require_cpu(plan.op, plan.x);
-  advise_output(plan.norm_out);
-  gating_top_k_cpu(plan);
-}
-
-void run_plan(const GatingTopKBackwardPlan& plan, void* workspace, void* stream) {
-#ifdef MOEGRAD_WITH_CUDA
-  if (plan.x_norm.device == Device::kCUDA) {
-    gating_top_k_backward_cuda(plan, workspace, stream);
-    return;
-  }
-#else
-  (void)workspace;
-  (void)stream;
-#endif
-  require_cpu(plan.op, plan.x_norm);
-  advise_output(plan.grad_x);
-  gating_top_k_backward_cpu(plan);
-}
+namespace {
+const KernelTable<GatingTopKPlan> kForward = {
+    {gating_top_k_cpu_size, gating_top_k_cpu},
+    MOEGRAD_CUDA_ENTRY(gating_top_k_cuda_size, gating_top_k_cuda)};
+const KernelTable<GatingTopKBackwardPlan> kBackward = {
+    {gating_top_k_backward_cpu_size, gating_top_k_backward_cpu},
+    MOEGRAD_CUDA_ENTRY(gating_top_k_backward_cuda_size, gating_top_k_backward_cuda)};
+}  // namespace
 
 ExecutorPtr plan_moe_gating_top_k(const TensorView* x, const TensorView* bias,
                                   const GatingTopKAttrs& attrs, const TensorView* y,
                                   const TensorView* expert_idx, const TensorView* norm_out) {
-  return make_executor(validate_gating_top_k(x, bias, attrs, y, expert_idx, norm_out, true));
+  return make_executor(validate_gating_top_k(x, bias, attrs, y, expert_idx, norm_out, true),
+                       kForward);
+}
+
+ExecutorPtr prepare_moe_gating_top_k(const TensorView* x, const TensorView* bias,
+                                     const GatingTopKAttrs& attrs) {
+  return make_executor(
+      validate_gating_top_k(x, bias, attrs, nullptr, nullptr, nullptr, false), kForward);
 }
 
 std::vector<Shape> infer_moe_gating_top_k(const TensorView* x, const TensorView* bias,
@@ -226,7 +214,15 @@ ExecutorPtr plan_moe_gating_top_k_backward(const TensorView* x_norm, const Tenso
                                            const GatingTopKBackwardAttrs& attrs,
                                            const TensorView* grad_x) {
   return make_executor(
-      validate_gating_top_k_backward(x_norm, grad_y, expert_idx, attrs, grad_x, true));
+      validate_gating_top_k_backward(x_norm, grad_y, expert_idx, attrs, grad_x, true), kBackward);
+}
+
+ExecutorPtr prepare_moe_gating_top_k_backward(const TensorView* x_norm, const TensorView* grad_y,
+                                              const TensorView* expert_idx,
+                                              const GatingTopKBackwardAttrs& attrs) {
+  return make_executor(
+      validate_gating_top_k_backward(x_norm, grad_y, expert_idx, attrs, nullptr, false),
+      kBackward);
 }
 
 std::vector<Shape> infer_moe_gating_top_k_backward(const TensorView* x_norm,

@@ -3,27 +3,32 @@
 #ifndef MOEGRAD_OPS_GATING_TOPK_H_
 #define MOEGRAD_OPS_GATING_TOPK_H_
 
+#include <array>
+
+#include "core/executor.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
 
-struct GatingTopKPlan {
-  const char* op = "moe_gating_top_k";
-  uint64_t workspace_bytes = 0;
+struct GatingTopKPlan : PlanBase {
   TensorView x, bias, y, expert_idx, norm_out;
   bool has_bias = false;
   GatingTopKAttrs attrs;
   int64_t M = 0, N = 0;
   bool grouped = false;  // group-limited selection is in effect
+  // CPU scratch, one copy per thread.
+  Slot ws_rows, ws_keys, ws_gkeys, ws_order, ws_kept, ws_bias;
+  std::array<TensorView*, 3> output_views() { return {&y, &expert_idx, &norm_out}; }
 };
 
-struct GatingTopKBackwardPlan {
-  const char* op = "moe_gating_top_k_backward";
-  uint64_t workspace_bytes = 0;
+struct GatingTopKBackwardPlan : PlanBase {
   TensorView x_norm, grad_y, expert_idx, grad_x;
   GatingTopKBackwardAttrs attrs;
   int64_t M = 0, N = 0, K = 0;
-  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 at planning time (CUDA, L46)
+  Slot ws_idx;  // int64 expert_idx narrowed to int32
+  Slot ws_strict;               // CUDA strict index check (L46)
+  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)
+  std::array<TensorView*, 1> output_views() { return {&grad_x}; }
 };
 
 // With with_outputs = false only inputs and attributes are checked (shape inference).
@@ -37,20 +42,19 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
                                                       const GatingTopKBackwardAttrs& attrs,
                                                       const TensorView* grad_x, bool with_outputs);
 
-void run_plan(const GatingTopKPlan& plan, void* workspace, void* stream);
-void run_plan(const GatingTopKBackwardPlan& plan, void* workspace, void* stream);
+// CPU kernels (gating_topk_cpu.cc): workspace sizing (stage one) and run (stage two).
+void gating_top_k_cpu_size(GatingTopKPlan& plan, WorkspaceLayout& layout);
+void gating_top_k_cpu(const GatingTopKPlan& plan, const Workspace& ws, void* stream);
+void gating_top_k_backward_cpu_size(GatingTopKBackwardPlan& plan, WorkspaceLayout& layout);
+void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& plan, const Workspace& ws,
+                               void* stream);
 
-// CPU kernels (gating_topk_cpu.cc).
-void gating_top_k_cpu(const GatingTopKPlan& plan);
-void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& plan);
-
-#ifdef MOEGRAD_WITH_CUDA
-// CUDA launchers (gating_topk_cuda.cu): stage two on `stream` (a cudaStream_t) with the
-// workspace sized by the *_workspace function; no host synchronisation, no allocation.
-uint64_t gating_top_k_cuda_workspace(const GatingTopKPlan& plan);
-void gating_top_k_cuda(const GatingTopKPlan& plan, void* workspace, void* stream);
-uint64_t gating_top_k_backward_cuda_workspace(const GatingTopKBackwardPlan& plan);
-void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, void* workspace,
+#if defined(MOEGRAD_WITH_CUDA)
+// CUDA kernels (gating_topk_cuda.cu); `stream` is a cudaStream_t.
+void gating_top_k_cuda_size(GatingTopKPlan& plan, WorkspaceLayout& layout);
+void gating_top_k_cuda(const GatingTopKPlan& plan, const Workspace& ws, void* stream);
+void gating_top_k_backward_cuda_size(GatingTopKBackwardPlan& plan, WorkspaceLayout& layout);
+void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Workspace& ws,
                                 void* stream);
 #endif
 

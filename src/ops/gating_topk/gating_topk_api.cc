@@ -1,5 +1,6 @@
 // extern "C" entry points of MoeGatingTopK and MoeGatingTopKBackward (§1.2, §2.2).
 #include "core/acl_api.h"
+#include "core/check.h"
 
 using namespace moegrad;
 
@@ -28,6 +29,7 @@ aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
     int64_t normType, double routedScalingFactor, double eps, const aclTensor* out,
     uint64_t* workspaceSize, aclOpExecutor** executor) {
   return stage_one("moe_gating_top_k_backward", workspaceSize, executor, [&] {
+    require_index32("moe_gating_top_k_backward", view_of(expertIdx), "expert_idx");
     GatingTopKBackwardAttrs a{renorm, normType, routedScalingFactor, eps};
     return plan_moe_gating_top_k_backward(view_of(xNorm), view_of(gradY), view_of(expertIdx), a,
                                           view_of(out));

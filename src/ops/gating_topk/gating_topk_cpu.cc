@@ -1,6 +1,7 @@
 // CPU kernels of the gating top-k forward (§2.4) and backward (§1.5), compiled once per SIMD
 // target (Highway) and dispatched at run time. One token row per iteration, fp32 math,
-// per-thread scratch rows; rows are independent, so any thread count gives the same bits (D16).
+// per-thread scratch rows from the workspace; rows are independent, so any thread count gives
+// the same bits (D16).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/gating_topk/gating_topk_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -10,12 +11,11 @@
 #include <cstring>
 #include <limits>
 #include <functional>
-#include <vector>
 
 #include "core/dtype.h"
+#include "core/host.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
-#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "ops/gating_topk/gating_topk.h"
 
@@ -23,6 +23,8 @@
 #define MOEGRAD_GATING_TOPK_CPU_ONCE_
 namespace moegrad {
 namespace gating_detail {
+
+constexpr int64_t kMaxExpertsCpu = 2048;  // the validated bound on N
 
 // Ranking key (L2): one unsigned compare orders larger scores first, NaN above every number,
 // +0 == -0, and equal scores by lower index. Key 0 is below every score (excluded experts).
@@ -71,6 +73,7 @@ namespace HWY_NAMESPACE {
 namespace {
 
 using gating_detail::key_index;
+using gating_detail::kMaxExpertsCpu;
 using gating_detail::rank_key;
 using gating_detail::top_k;
 
@@ -96,20 +99,25 @@ void Normalise(const float* logits, int64_t n, int64_t norm_type, float* norm) {
 }
 
 template <typename T>
-void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
+void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t begin,
+                 int64_t end) {
   const GatingTopKAttrs& a = p.attrs;
   const int64_t N = p.N, K = a.k, G = a.group_count, gsize = N / G;
   const size_t np = padded(static_cast<size_t>(N));
-  auto buf = hwy::AllocateAligned<float>(2 * np);
-  std::fill(buf.get(), buf.get() + 2 * np, 0.0f);
-  float* logits = buf.get();
+  float* logits = ws.get<float>(p.ws_rows, tid);  // 2 padded rows: logits, norm
+  std::fill(logits, logits + 2 * np, 0.0f);
   float* norm = logits + np;
-  std::vector<uint64_t> keys(N), best(N), scratch(N), gkeys(G), gbest(G), gscratch(G);
-  std::vector<int32_t> order(K);
-  std::vector<char> kept(G);
+  uint64_t* keys = ws.get<uint64_t>(p.ws_keys, tid);  // keys, best, scratch: N each
+  uint64_t* best = keys + N;
+  uint64_t* scratch = best + N;
+  uint64_t* gkeys = ws.get<uint64_t>(p.ws_gkeys, tid);  // gkeys, gbest, gscratch: G each
+  uint64_t* gbest = gkeys + G;
+  uint64_t* gscratch = gbest + G;
+  int32_t* order = ws.get<int32_t>(p.ws_order, tid);
+  char* kept = ws.get<char>(p.ws_kept, tid);
   const T* x = typed<T>(p.x);
-  std::vector<float> bias(p.has_bias ? N : 0);
-  if (p.has_bias) load_chunk(typed<T>(p.bias), bias.data(), N);
+  float* bias = ws.get<float>(p.ws_bias, tid);
+  if (p.has_bias) load_chunk(typed<T>(p.bias), bias, N);
   T* y = typed<T>(p.y);
   int32_t* idx = typed<int32_t>(p.expert_idx);
   float* norm_out = typed<float>(p.norm_out);
@@ -127,7 +135,7 @@ void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
       const int32_t take = a.group_select_mode == 0 ? 1 : 2;
       for (int64_t g = 0; g < G; ++g) {
         uint64_t gb[2];
-        top_k(keys.data() + g * gsize, static_cast<int32_t>(gsize), take, gb, nullptr);
+        top_k(keys + g * gsize, static_cast<int32_t>(gsize), take, gb, nullptr);
         // Scores are recomputed from the winners' indices (keys carry the order only).
         float gs = 0.0f;
         for (int32_t t = 0; t < take; ++t) {
@@ -136,17 +144,15 @@ void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
         }
         gkeys[g] = rank_key(gs, static_cast<int32_t>(g));
       }
-      top_k(gkeys.data(), static_cast<int32_t>(G), static_cast<int32_t>(a.k_group), gbest.data(),
-            gscratch.data());
+      top_k(gkeys, static_cast<int32_t>(G), static_cast<int32_t>(a.k_group), gbest, gscratch);
       // Experts of the groups not kept rank below every eligible one.
-      std::fill(kept.begin(), kept.end(), 0);
+      std::fill(kept, kept + G, 0);
       for (int64_t i = 0; i < a.k_group; ++i) kept[key_index(gbest[i])] = 1;
       for (int64_t g = 0; g < G; ++g) {
-        if (!kept[g]) std::fill_n(keys.data() + g * gsize, gsize, uint64_t{0});
+        if (!kept[g]) std::fill_n(keys + g * gsize, gsize, uint64_t{0});
       }
     }
-    top_k(keys.data(), static_cast<int32_t>(N), static_cast<int32_t>(K), best.data(),
-          scratch.data());
+    top_k(keys, static_cast<int32_t>(N), static_cast<int32_t>(K), best, scratch);
     for (int64_t k = 0; k < K; ++k) order[k] = key_index(best[k]);
 
     float sum = 0.0f;
@@ -173,7 +179,8 @@ void ForwardRows(const GatingTopKPlan& p, int64_t begin, int64_t end) {
 // chain rule through the normalisation: s(1 - s) (sigmoid), dn/dx (sqrt-softplus) or the softmax
 // Jacobian s_j (G_j - sum_i s_i G_i) over all N columns.
 template <typename T>
-void BackwardRows(const GatingTopKBackwardPlan& p, int64_t begin, int64_t end) {
+void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t begin,
+                  int64_t end) {
   const DF d;
   const int64_t N = p.N, K = p.K;
   const int64_t norm_type = p.attrs.norm_type;
@@ -182,15 +189,16 @@ void BackwardRows(const GatingTopKBackwardPlan& p, int64_t begin, int64_t end) {
   const float eps = static_cast<float>(p.attrs.eps);
   const float* xn = typed<float>(p.x_norm);
   const T* gy = typed<T>(p.grad_y);
-  const int32_t* idx = typed<int32_t>(p.expert_idx);
   T* gx = typed<T>(p.grad_x);
+  // N <= 2048 (validated): the 48 KB of row scratch fits the stack, so this op needs no
+  // workspace with int32 indices (C callers may pass none, as its size is then 0).
   const size_t np = padded(static_cast<size_t>(N));
-  auto buf = hwy::AllocateAligned<float>(3 * np);
-  std::fill(buf.get(), buf.get() + 3 * np, 0.0f);
-  float* G = buf.get();
+  HWY_ALIGN float buf[3 * kMaxExpertsCpu];
+  std::fill(buf, buf + 3 * np, 0.0f);
+  float* G = buf;
   float* xrow = G + np;
   float* out = xrow + np;
-  std::vector<float> gs(K), w(K), gp(K);
+  float gs[kMaxExpertsCpu], w[kMaxExpertsCpu], gp[kMaxExpertsCpu];
 
   for (int64_t r = begin; r < end; ++r) {
     const float* xr = xn + r * N;
@@ -235,24 +243,22 @@ void BackwardRows(const GatingTopKBackwardPlan& p, int64_t begin, int64_t end) {
   }
 }
 
-// Rows per chunk: enough work per thread to amortise the fork.
-int64_t GrainFor(int64_t row_elems) {
-  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
-}
-
 }  // namespace
 
-void GatingForward(const GatingTopKPlan& p) {
+void GatingForward(const GatingTopKPlan& p, const Workspace& ws) {
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.M, GrainFor(p.N), [&](int64_t b, int64_t e) { ForwardRows<T>(p, b, e); });
+    parallel_rows(p.M, p.threads,
+                  [&](int tid, int64_t b, int64_t e) { ForwardRows<T>(p, ws, tid, b, e); });
   });
 }
 
-void GatingBackward(const GatingTopKBackwardPlan& p) {
+void GatingBackward(const GatingTopKBackwardPlan& p, const Workspace& ws) {
+  const int32_t* idx = index32(p.expert_idx, ws.get<int32_t>(p.ws_idx));
   dispatch_float(p.grad_y.dtype, "grad_y", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.M, GrainFor(p.N), [&](int64_t b, int64_t e) { BackwardRows<T>(p, b, e); });
+    parallel_rows(p.M, p.threads,
+                  [&](int, int64_t b, int64_t e) { BackwardRows<T>(p, idx, b, e); });
   });
 }
 
@@ -265,9 +271,37 @@ namespace moegrad {
 HWY_EXPORT(GatingForward);
 HWY_EXPORT(GatingBackward);
 
-void gating_top_k_cpu(const GatingTopKPlan& plan) { HWY_DYNAMIC_DISPATCH(GatingForward)(plan); }
-void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& plan) {
-  HWY_DYNAMIC_DISPATCH(GatingBackward)(plan);
+namespace {
+// Rows per chunk: enough work per thread to amortise the fork.
+int64_t grain_for(int64_t row_elems) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
+}
+}  // namespace
+
+void gating_top_k_cpu_size(GatingTopKPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.M, grain_for(p.N));
+  const int64_t N = p.N, G = p.attrs.group_count;
+  p.ws_rows = layout.add<float>(2 * padded_max(N), p.threads);
+  p.ws_keys = layout.add<uint64_t>(3 * N, p.threads);
+  p.ws_gkeys = layout.add<uint64_t>(3 * G, p.threads);
+  p.ws_order = layout.add<int32_t>(p.attrs.k, p.threads);
+  p.ws_kept = layout.add<char>(G, p.threads);
+  p.ws_bias = layout.add<float>(p.has_bias ? N : 0, p.threads);
+}
+
+void gating_top_k_cpu(const GatingTopKPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.norm_out);
+  HWY_DYNAMIC_DISPATCH(GatingForward)(plan, ws);
+}
+
+void gating_top_k_backward_cpu_size(GatingTopKBackwardPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.M, grain_for(p.N));
+  p.ws_idx = index_scratch(layout, p.expert_idx);
+}
+
+void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.grad_x);
+  HWY_DYNAMIC_DISPATCH(GatingBackward)(plan, ws);
 }
 }  // namespace moegrad
 #endif  // HWY_ONCE

@@ -7,6 +7,7 @@
 // (its Jacobian touches every column); the row of grad_x is written once (L42).
 #include "core/cuda_backend.h"
 #include "core/cuda_common.cuh"
+#include "core/host.h"
 #include "ops/gating_topk/gating_topk.h"
 
 namespace moegrad {
@@ -293,12 +294,12 @@ int warps_for(int bytes_per_warp) {
 }  // namespace
 }  // namespace cuda
 
-uint64_t gating_top_k_cuda_workspace(const GatingTopKPlan&) { return 0; }
+void gating_top_k_cuda_size(GatingTopKPlan&, WorkspaceLayout&) {}
 
-void gating_top_k_cuda(const GatingTopKPlan& plan, void*, void* stream) {
+void gating_top_k_cuda(const GatingTopKPlan& plan, const Workspace&, void* stream) {
   using namespace cuda;
   if (plan.M == 0) return;  // zero tokens launch nothing
-  set_device(plan.op, plan.x.device_id);
+  set_device(plan.op, plan.device_id);
   const GatingTopKAttrs& a = plan.attrs;
   FwdParams p;
   p.x = plan.x.data;
@@ -332,20 +333,26 @@ void gating_top_k_cuda(const GatingTopKPlan& plan, void*, void* stream) {
   check_launch(plan.op);
 }
 
-uint64_t gating_top_k_backward_cuda_workspace(const GatingTopKBackwardPlan& plan) {
-  return plan.strict_indices ? cuda::strict_ws_bytes(plan.N, false) : 0;
+void gating_top_k_backward_cuda_size(GatingTopKBackwardPlan& plan, WorkspaceLayout& layout) {
+  plan.ws_idx = index_scratch(layout, plan.expert_idx);
+  plan.strict_indices = strict_indices();
+  if (plan.strict_indices) {
+    plan.ws_strict = layout.add<unsigned char>(
+        static_cast<int64_t>(cuda::strict_ws_bytes(plan.N, false)));
+  }
 }
 
-void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, void* workspace,
+void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Workspace& ws,
                                 void* stream) {
   using namespace cuda;
   if (plan.M == 0) return;
-  set_device(plan.op, plan.x_norm.device_id);
+  set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int32_t* idx = static_cast<const int32_t*>(plan.expert_idx.data);
+  const int32_t* idx =
+      device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_idx), s);
   if (plan.strict_indices) {
     strict_check(plan.op, kErrParamInvalid, "expert_idx", idx, plan.M * plan.K, 0, plan.N, false,
-                 workspace, s);
+                 ws.get<unsigned char>(plan.ws_strict), s);
   }
   BwdParams p;
   p.x_norm = static_cast<const float*>(plan.x_norm.data);

@@ -5,11 +5,9 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "core/backend.h"
 #include "core/executor.h"
 #include "core/host.h"
-#ifdef MOEGRAD_WITH_CUDA
-#include "core/cuda_backend.h"
-#endif
 
 namespace moegrad {
 
@@ -73,23 +71,20 @@ SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
                            const TensorView* y, bool with_outputs) {
   Validator v("swiglu_group", kErrTiling);
   SwigluPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(x, "x");
   if (with_outputs) v.present(y, "y");
   v.dtype_in(*x, "x", kFloatTypes);
-  const Device dev = x->device;
-  v.layout(*x, "x", dev);
-  if (weight) {
-    v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
-    v.layout(*weight, "weight", dev);
-  }
-  if (group_index) {
-    v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
-    v.layout(*group_index, "group_index", dev);
-  }
-  if (with_outputs) {
-    v.same_dtype(*y, "y", x->dtype, "x's dtype");
-    v.layout(*y, "y", dev);
-  }
+  if (weight) v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
+  if (group_index) v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
+  if (with_outputs) v.same_dtype(*y, "y", x->dtype, "x's dtype");
+  p.backend = select_backend(
+      v, {{"x", x}, {"weight", weight}, {"group_index", group_index}, {"y", y}});
+  v.contiguous(*x, "x");
+  if (weight) v.contiguous(*weight, "weight");
+  if (group_index) v.contiguous(*group_index, "group_index");
+  if (with_outputs) v.contiguous(*y, "y");
   p.clamp = check_clamp(v, a.clamp_limit);
   v.rank_in(*x, "x", 1, kMaxRank);
   const int64_t D = x->shape[x->ndim - 1];
@@ -107,11 +102,10 @@ SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
   p.has_group_index = group_index != nullptr;
   p.T = T;
   p.H = D / 2;
-#ifdef MOEGRAD_WITH_CUDA
-  if (p.x.device == Device::kCUDA) {
-    p.workspace_bytes = swiglu_cuda_workspace(p);
-  }
-#endif
+  p.device = x->device;
+  p.device_id = x->device_id;
+  p.bound = with_outputs;
+  p.add_output("y", p.y_shape, x->dtype);
   return p;
 }
 
@@ -122,6 +116,8 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
                                     bool with_outputs) {
   Validator v("swiglu_group_quant_backward", kErrTiling);
   SwigluGradPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(gy, "grad_y");
   v.present(x, "x");
   if (with_outputs) v.present(gx, "grad_x");
@@ -137,15 +133,17 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
     v.same_dtype(*gx, "grad_x", x->dtype, "x's dtype");
     if (gw) v.same_dtype(*gw, "grad_weight", DType::kFloat32, "float32");
   }
-  const Device dev = x->device;
-  v.layout(*gy, "grad_y", dev);
-  v.layout(*x, "x", dev);
-  if (weight) v.layout(*weight, "weight", dev);
-  if (yo) v.layout(*yo, "y_origin", dev);
-  if (group_index) v.layout(*group_index, "group_index", dev);
+  p.backend = select_backend(v, {{"x", x}, {"grad_y", gy}, {"weight", weight},
+                                 {"y_origin", yo}, {"group_index", group_index},
+                                 {"grad_x", gx}, {"grad_weight", gw}});
+  v.contiguous(*gy, "grad_y");
+  v.contiguous(*x, "x");
+  if (weight) v.contiguous(*weight, "weight");
+  if (yo) v.contiguous(*yo, "y_origin");
+  if (group_index) v.contiguous(*group_index, "group_index");
   if (with_outputs) {
-    v.layout(*gx, "grad_x", dev);
-    if (gw) v.layout(*gw, "grad_weight", dev);
+    v.contiguous(*gx, "grad_x");
+    if (gw) v.contiguous(*gw, "grad_weight");
   }
   p.clamp = check_clamp(v, a.clamp_limit);
   v.rank_in(*x, "x", 1, kMaxRank);
@@ -191,20 +189,27 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   if (group_index) p.group_index = *group_index;
   if (with_outputs) {
     p.grad_x = *gx;
-    if (gw) p.grad_weight = *gw;
+    if (gw && weight) p.grad_weight = *gw;
   }
   p.has_weight = weight != nullptr;
   p.has_group_index = group_index != nullptr;
-  p.has_grad_weight = weight != nullptr && gw != nullptr && with_outputs;
   p.T = T;
   p.H = D / 2;
-#ifdef MOEGRAD_WITH_CUDA
-  if (p.x.device == Device::kCUDA) {
-    p.workspace_bytes = swiglu_grad_cuda_workspace(p);
-  }
-#endif
+  p.device = x->device;
+  p.device_id = x->device_id;
+  p.bound = with_outputs;
+  p.add_output("grad_x", p.grad_x_shape, x->dtype);
+  p.add_output("grad_weight", p.grad_weight_shape, DType::kFloat32, true);
   return p;
 }
+
+namespace {
+const KernelTable<SwigluPlan> kForward = {{swiglu_cpu_size, swiglu_cpu},
+                                          MOEGRAD_CUDA_ENTRY(swiglu_cuda_size, swiglu_cuda)};
+const KernelTable<SwigluGradPlan> kGrad = {
+    {swiglu_grad_cpu_size, swiglu_grad_cpu},
+    MOEGRAD_CUDA_ENTRY(swiglu_grad_cuda_size, swiglu_grad_cuda)};
+}  // namespace
 
 namespace {
 const char* quant_dst_name(int64_t code) {
@@ -354,40 +359,15 @@ std::vector<Shape> infer_swiglu_group_quant(const TensorView* x, const TensorVie
   return {p.y_shape, p.y_scale_shape, p.y_origin_shape};
 }
 
-void run_plan(const SwigluPlan& plan, void* workspace, void* stream) {
-#ifdef MOEGRAD_WITH_CUDA
-  if (plan.x.device == Device::kCUDA) {
-    swiglu_cuda(plan, workspace, stream);
-    return;
-  }
-#else
-  (void)workspace;
-  (void)stream;
-#endif
-  require_cpu(plan.op, plan.x);
-  advise_output(plan.y);
-  swiglu_cpu(plan);
-}
-
-void run_plan(const SwigluGradPlan& plan, void* workspace, void* stream) {
-#ifdef MOEGRAD_WITH_CUDA
-  if (plan.x.device == Device::kCUDA) {
-    swiglu_grad_cuda(plan, workspace, stream);
-    return;
-  }
-#else
-  (void)workspace;
-  (void)stream;
-#endif
-  require_cpu(plan.op, plan.x);
-  advise_output(plan.grad_x);
-  swiglu_grad_cpu(plan);
-}
-
 ExecutorPtr plan_swiglu_group(const TensorView* x, const TensorView* weight,
                               const TensorView* group_index, const SwigluAttrs& attrs,
                               const TensorView* y) {
-  return make_executor(validate_swiglu(x, weight, group_index, attrs, y, true));
+  return make_executor(validate_swiglu(x, weight, group_index, attrs, y, true), kForward);
+}
+
+ExecutorPtr prepare_swiglu_group(const TensorView* x, const TensorView* weight,
+                                 const TensorView* group_index, const SwigluAttrs& attrs) {
+  return make_executor(validate_swiglu(x, weight, group_index, attrs, nullptr, false), kForward);
 }
 
 std::vector<Shape> infer_swiglu_group(const TensorView* x, const TensorView* weight,
@@ -401,7 +381,17 @@ ExecutorPtr plan_swiglu_group_quant_grad(const TensorView* grad_y, const TensorV
                                          const TensorView* grad_x,
                                          const TensorView* grad_weight) {
   return make_executor(validate_swiglu_grad(grad_y, x, weight, y_origin, group_index, attrs,
-                                            grad_x, grad_weight, true));
+                                            grad_x, grad_weight, true),
+                       kGrad);
+}
+
+ExecutorPtr prepare_swiglu_group_quant_grad(const TensorView* grad_y, const TensorView* x,
+                                            const TensorView* weight, const TensorView* y_origin,
+                                            const TensorView* group_index,
+                                            const SwigluAttrs& attrs) {
+  return make_executor(validate_swiglu_grad(grad_y, x, weight, y_origin, group_index, attrs,
+                                            nullptr, nullptr, false),
+                       kGrad);
 }
 
 std::vector<Shape> infer_swiglu_group_quant_grad(const TensorView* grad_y, const TensorView* x,

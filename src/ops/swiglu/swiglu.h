@@ -5,28 +5,33 @@
 #ifndef MOEGRAD_OPS_SWIGLU_H_
 #define MOEGRAD_OPS_SWIGLU_H_
 
+#include <array>
+
+#include "core/executor.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
 
-struct SwigluPlan {
-  const char* op = "swiglu_group";
-  uint64_t workspace_bytes = 0;
+struct SwigluPlan : PlanBase {
   TensorView x, weight, group_index, y;
   bool has_weight = false, has_group_index = false;
   float clamp = -1.0f;
   int64_t T = 0, H = 0;
   Shape y_shape;
+  Slot ws_active;  // CUDA: the group_index row count, computed on the device (L45)
+  std::array<TensorView*, 1> output_views() { return {&y}; }
 };
 
-struct SwigluGradPlan {
-  const char* op = "swiglu_group_quant_backward";
-  uint64_t workspace_bytes = 0;
+struct SwigluGradPlan : PlanBase {
   TensorView grad_y, x, weight, y_origin, group_index, grad_x, grad_weight;
-  bool has_weight = false, has_group_index = false, has_grad_weight = false;
+  bool has_weight = false, has_group_index = false;
   float clamp = -1.0f;
   int64_t T = 0, H = 0;
   Shape grad_x_shape, grad_weight_shape;
+  Slot ws_active;  // CUDA: the group_index row count, computed on the device (L45)
+  std::array<TensorView*, 2> output_views() { return {&grad_x, &grad_weight}; }
+  // grad_weight is computed when a weight is given and the output is bound (L7).
+  bool wants_grad_weight() const { return has_weight && grad_weight.ndim > 0; }
 };
 
 struct SwigluQuantPlan {
@@ -62,14 +67,23 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* grad_y, const TensorView* 
                                     const TensorView* grad_x, const TensorView* grad_weight,
                                     bool with_outputs);
 
-void run_plan(const SwigluPlan& plan, void* workspace, void* stream);
-void run_plan(const SwigluGradPlan& plan, void* workspace, void* stream);
 
 // Rows that are processed: min(max(sum(group_index), 0), T) (L8), or T without group_index.
 int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, int64_t T);
 
-void swiglu_cpu(const SwigluPlan& plan);
-void swiglu_grad_cpu(const SwigluGradPlan& plan);
+// CPU kernels (swiglu_cpu.cc): workspace sizing (stage one) and run (stage two).
+void swiglu_cpu_size(SwigluPlan& plan, WorkspaceLayout& layout);
+void swiglu_cpu(const SwigluPlan& plan, const Workspace& ws, void* stream);
+void swiglu_grad_cpu_size(SwigluGradPlan& plan, WorkspaceLayout& layout);
+void swiglu_grad_cpu(const SwigluGradPlan& plan, const Workspace& ws, void* stream);
+
+#if defined(MOEGRAD_WITH_CUDA)
+// CUDA kernels (swiglu_cuda.cu); `stream` is a cudaStream_t.
+void swiglu_cuda_size(SwigluPlan& plan, WorkspaceLayout& layout);
+void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream);
+void swiglu_grad_cuda_size(SwigluGradPlan& plan, WorkspaceLayout& layout);
+void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* stream);
+#endif
 
 #ifdef MOEGRAD_WITH_CUDA
 // CUDA launchers (swiglu_cuda.cu): stage two on `stream` (a cudaStream_t) with the

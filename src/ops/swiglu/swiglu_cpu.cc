@@ -1,6 +1,8 @@
 // CPU kernels of SwiGLU forward (§6.4 without quantisation) and backward (§5.5), compiled once
 // per SIMD target (Highway) and dispatched at run time. Rows split across threads; each row in
-// chunks widened to fp32 in L1 scratch; rows past the group_index total are zero-filled.
+// chunks widened to fp32 in L1 scratch; rows past the group_index total are zero-filled. The
+// scratch is a fixed 32 KB (forward) / 48 KB (backward) per thread, so it lives on the stack and
+// the ops need no workspace (C callers may pass none, as its size is then 0).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/swiglu_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -9,9 +11,9 @@
 #include <cstring>
 
 #include "core/dtype.h"
+#include "core/host.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
-#include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "ops/swiglu/swiglu.h"
 
@@ -19,8 +21,6 @@ HWY_BEFORE_NAMESPACE();
 namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
-
-int64_t GrainRows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 
 // The clamp of §5.5 step 2 (x0 <- min(x0, c); x1 <- clamp(x1, -c, c)); NaN passes through.
 struct Clamp {
@@ -34,7 +34,7 @@ struct Clamp {
 };
 
 template <typename T>
-void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end) {
+void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin, int64_t end) {
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t H = p.H;
@@ -42,9 +42,8 @@ void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   T* y = typed<T>(p.y);
   const Clamp clamp(d, p.clamp);
-  auto buf = hwy::AllocateAligned<float>(4 * kChunk);
-  std::fill(buf.get(), buf.get() + 4 * kChunk, 0.0f);
-  float* a = buf.get();
+  std::fill(buf, buf + 4 * kChunk, 0.0f);
+  float* a = buf;
   float* b = a + kChunk;
   float* o = b + kChunk;
   T* stage = reinterpret_cast<T*>(o + kChunk);
@@ -83,21 +82,22 @@ void ForwardRows(const SwigluPlan& p, int64_t active, int64_t begin, int64_t end
 }
 
 template <typename T>
-void BackwardRows(const SwigluGradPlan& p, int64_t active, int64_t begin, int64_t end) {
+void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t begin,
+                  int64_t end) {
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t H = p.H;
   const T* gy = typed<T>(p.grad_y);
   const T* x = typed<T>(p.x);
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
-  const T* yo = p.has_grad_weight ? typed<T>(p.y_origin) : nullptr;
+  const bool want_gw = p.wants_grad_weight();
+  const T* yo = want_gw ? typed<T>(p.y_origin) : nullptr;
   T* gx = typed<T>(p.grad_x);
-  float* gw = p.has_grad_weight ? typed<float>(p.grad_weight) : nullptr;
+  float* gw = want_gw ? typed<float>(p.grad_weight) : nullptr;
   const Clamp clamp(d, p.clamp);
   const VF one = hn::Set(d, 1.0f);
-  auto buf = hwy::AllocateAligned<float>(6 * kChunk);
-  std::fill(buf.get(), buf.get() + 6 * kChunk, 0.0f);
-  float* a = buf.get();
+  std::fill(buf, buf + 6 * kChunk, 0.0f);
+  float* a = buf;
   float* b = a + kChunk;
   float* g = b + kChunk;
   float* ga = g + kChunk;
@@ -168,8 +168,10 @@ void SwigluForward(const SwigluPlan& p) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.T, GrainRows(p.H),
-                 [&](int64_t b, int64_t e) { ForwardRows<T>(p, active, b, e); });
+    parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
+      HWY_ALIGN float buf[4 * kChunk];
+      ForwardRows<T>(p, active, buf, b, e);
+    });
   });
 }
 
@@ -177,8 +179,10 @@ void SwigluBackward(const SwigluGradPlan& p) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.T, GrainRows(p.H),
-                 [&](int64_t b, int64_t e) { BackwardRows<T>(p, active, b, e); });
+    parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
+      HWY_ALIGN float buf[6 * kChunk];
+      BackwardRows<T>(p, active, buf, b, e);
+    });
   });
 }
 
@@ -191,7 +195,26 @@ namespace moegrad {
 HWY_EXPORT(SwigluForward);
 HWY_EXPORT(SwigluBackward);
 
-void swiglu_cpu(const SwigluPlan& plan) { HWY_DYNAMIC_DISPATCH(SwigluForward)(plan); }
-void swiglu_grad_cpu(const SwigluGradPlan& plan) { HWY_DYNAMIC_DISPATCH(SwigluBackward)(plan); }
+namespace {
+int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+}  // namespace
+
+void swiglu_cpu_size(SwigluPlan& p, WorkspaceLayout&) {
+  p.threads = plan_threads(p.T, grain_rows(p.H));  // scratch on the stack (bounded)
+}
+
+void swiglu_cpu(const SwigluPlan& plan, const Workspace&, void*) {
+  advise_output(plan.y);
+  HWY_DYNAMIC_DISPATCH(SwigluForward)(plan);
+}
+
+void swiglu_grad_cpu_size(SwigluGradPlan& p, WorkspaceLayout&) {
+  p.threads = plan_threads(p.T, grain_rows(p.H));  // scratch on the stack (bounded)
+}
+
+void swiglu_grad_cpu(const SwigluGradPlan& plan, const Workspace&, void*) {
+  advise_output(plan.grad_x);
+  HWY_DYNAMIC_DISPATCH(SwigluBackward)(plan);
+}
 }  // namespace moegrad
 #endif  // HWY_ONCE

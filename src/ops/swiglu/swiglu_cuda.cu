@@ -181,34 +181,34 @@ int threads_for(int64_t H, DType dt) {
 }  // namespace
 }  // namespace cuda
 
-uint64_t swiglu_cuda_workspace(const SwigluPlan& plan) {
-  return plan.has_group_index ? cuda::ws_round(sizeof(int64_t)) : 0;
+void swiglu_cuda_size(SwigluPlan& plan, WorkspaceLayout& layout) {
+  if (plan.has_group_index) plan.ws_active = layout.add<int64_t>(1);
 }
 
-uint64_t swiglu_grad_cuda_workspace(const SwigluGradPlan& plan) {
-  return plan.has_group_index ? cuda::ws_round(sizeof(int64_t)) : 0;
+void swiglu_grad_cuda_size(SwigluGradPlan& plan, WorkspaceLayout& layout) {
+  if (plan.has_group_index) plan.ws_active = layout.add<int64_t>(1);
 }
 
 namespace {
-const int64_t* launch_active(const TensorView& gi, bool has, int64_t T,
-                             void* workspace, cudaStream_t s) {
+const int64_t* launch_active(const TensorView& gi, bool has, int64_t T, int64_t* active,
+                             cudaStream_t s) {
   if (!has) return nullptr;
-  auto* active = static_cast<int64_t*>(workspace);
   cuda::active_rows_kernel<<<1, 1, 0, s>>>(static_cast<const int64_t*>(gi.data), gi.numel(), T,
                                            active);
   return active;
 }
 }  // namespace
 
-void swiglu_cuda(const SwigluPlan& plan, void* workspace, void* stream) {
+void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
   if (plan.T == 0) return;  // zero tokens launch nothing
-  set_device(plan.op, plan.x.device_id);
+  set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   Params p{};
   p.x = plan.x.data;
   p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan.group_index, plan.has_group_index, plan.T, workspace, s);
+  p.active = launch_active(plan.group_index, plan.has_group_index, plan.T,
+                           ws.get<int64_t>(plan.ws_active), s);
   p.out = plan.y.data;
   p.T = plan.T;
   p.H = plan.H;
@@ -221,19 +221,21 @@ void swiglu_cuda(const SwigluPlan& plan, void* workspace, void* stream) {
   check_launch(plan.op);
 }
 
-void swiglu_grad_cuda(const SwigluGradPlan& plan, void* workspace, void* stream) {
+void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
   if (plan.T == 0) return;
-  set_device(plan.op, plan.x.device_id);
+  set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const bool want_gw = plan.wants_grad_weight();
   Params p{};
   p.x = plan.x.data;
   p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan.group_index, plan.has_group_index, plan.T, workspace, s);
+  p.active = launch_active(plan.group_index, plan.has_group_index, plan.T,
+                           ws.get<int64_t>(plan.ws_active), s);
   p.gy = plan.grad_y.data;
-  p.y_origin = plan.has_grad_weight ? plan.y_origin.data : nullptr;
+  p.y_origin = want_gw ? plan.y_origin.data : nullptr;
   p.out = plan.grad_x.data;
-  p.grad_weight = plan.has_grad_weight ? static_cast<float*>(plan.grad_weight.data) : nullptr;
+  p.grad_weight = want_gw ? static_cast<float*>(plan.grad_weight.data) : nullptr;
   p.T = plan.T;
   p.H = plan.H;
   p.clamp = Clamp{plan.clamp, plan.clamp > 0.0f};

@@ -1,0 +1,138 @@
+"""The execution path of the Python front (docs/architecture.md): one native plan call and one
+run call per op, the device checked in stage one, the workspace size honoured, int64 indices
+passed to C++ without any host read of their values (docs/decisions.md D20, L13-L18)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moegrad
+from moegrad import _C, _ops
+from _util_validation import gen  # noqa: F401  (fixture: a seeded torch.Generator)
+
+PARAM_INVALID, FINALIZE = 161002, 561103
+
+
+def _perm_idx(g, n, dtype):
+    return torch.randperm(n, generator=g).to(dtype)
+
+
+def _calls(g, idx_dtype=torch.int64):
+    """One valid call of each public op: (name, function, args, kwargs)."""
+    x = torch.randn(16, 32, generator=g)
+    x_norm = torch.sigmoid(x)
+    gy = torch.randn(16, 4, generator=g)
+    eidx = torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(16)]).to(idx_dtype)
+    ex = torch.randn(32, 8, generator=g)
+    ridx = _perm_idx(g, 32, idx_dtype)
+    scales = torch.rand(16, 2, generator=g)
+    sx = torch.randn(6, 16, generator=g)
+    return [
+        ("moe_gating_top_k", moegrad.moe_gating_top_k, (x, 4), dict(norm_type=1)),
+        ("moe_gating_top_k_backward", moegrad.moe_gating_top_k_backward, (x_norm, gy, eidx), {}),
+        ("moe_finalize_routing", moegrad.moe_finalize_routing, (ex, ridx), dict(scales=scales)),
+        ("moe_finalize_routing_grad", moegrad.moe_finalize_routing_grad,
+         (torch.randn(16, 8, generator=g), ridx, ex, scales), {}),
+        ("swiglu_group", moegrad.swiglu_group, (sx,), {}),
+        ("swiglu_group_quant_backward", moegrad.swiglu_group_quant_backward,
+         (torch.randn(6, 8, generator=g), sx), {}),
+    ]
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_validation_runs_once_per_op_call(gen, i):
+    name, fn, args, kwargs = _calls(gen)[i]
+    before = _C._validation_count()
+    fn(*args, **kwargs)
+    assert _C._validation_count() - before == 1, name
+
+
+@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("which", ["first", "other"])
+def test_meta_tensor_in_eager_fails_with_161002(gen, i, which):
+    name, fn, args, kwargs = _calls(gen)[i]
+    tensors = [j for j, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if which == "other" and len(tensors) == 1:
+        pytest.skip("single tensor argument")
+    pos = tensors[0] if which == "first" else tensors[-1]
+    args = list(args)
+    args[pos] = args[pos].to("meta")
+    with pytest.raises(moegrad.MoeError) as e:
+        fn(*args, **kwargs)
+    assert e.value.code == PARAM_INVALID, str(e.value)
+    assert "meta" in str(e.value) and name in str(e.value)
+
+
+def test_workspace_smaller_than_planned_is_refused(gen):
+    ex = torch.randn(24, 40, generator=gen)
+    idx = _perm_idx(gen, 24, torch.int32)
+    scales = torch.rand(8, 3, generator=gen)
+    plan, specs, ws_bytes = _C.plan_moe_finalize_routing(ex, idx, None, None, None, scales, None,
+                                                         0, 1)
+    assert specs == [([8, 40], 0)]
+    assert ws_bytes > 0
+    out = torch.full((8, 40), float("nan"))
+    with pytest.raises(moegrad.MoeError) as e:
+        _C.run(plan, [out], torch.empty(ws_bytes - 1, dtype=torch.uint8), 0)
+    assert e.value.code == PARAM_INVALID and "workspace" in str(e.value)
+    assert torch.isnan(out).all(), "a refused run wrote to its output"
+    with pytest.raises(moegrad.MoeError):
+        _C.run(plan, [out], torch.empty(ws_bytes, dtype=torch.uint8), 0)  # a plan runs once
+    plan, _, ws_bytes = _C.plan_moe_finalize_routing(ex, idx, None, None, None, scales, None, 0, 1)
+    _C.run(plan, [out], torch.empty(ws_bytes, dtype=torch.uint8), 0)
+    want = moegrad.moe_finalize_routing(ex, idx, scales=scales)
+    assert torch.equal(out, want)
+
+
+def test_bound_outputs_are_checked_against_the_plan(gen):
+    x = torch.randn(6, 16, generator=gen)
+    plan, specs, ws = _C.plan_swiglu_group(x, None, None, -1.0)
+    assert specs == [([6, 8], 0)]
+    with pytest.raises(moegrad.MoeError) as e:
+        _C.run(plan, [torch.empty(6, 9)], None, 0)
+    assert e.value.code == 561002 and "y" in str(e.value)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("i", [1, 2, 3])
+def test_int64_indices_reach_cpp_without_a_host_read(gen, i):
+    calls64 = _calls(torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,),
+                                                                    generator=gen))))
+    name, _, args, kwargs = calls64[i]
+    impl = getattr(_ops, name)._init_fn  # the op's eager body, under the recorder
+    rec = _Recorder()
+    with rec:
+        out64 = impl(*args, **kwargs)
+    reads = [op for op in rec.ops
+             if any(k in op for k in ("_local_scalar_dense", "aten.min", "aten.max", "_to_copy",
+                                      "aten.copy"))]
+    assert not reads, f"{name} read or converted index values on the host: {reads}"
+    args32 = [a.to(torch.int32) if isinstance(a, torch.Tensor) and a.dtype == torch.int64 else a
+              for a in args]
+    out32 = impl(*args32, **kwargs)
+    out64 = out64 if isinstance(out64, tuple) else (out64,)
+    out32 = out32 if isinstance(out32, tuple) else (out32,)
+    for a, b in zip(out64, out32):
+        assert torch.equal(a, b), name
+
+
+def test_int64_outside_int32_names_position_and_value(gen):
+    idx = _perm_idx(gen, 8, torch.int64)
+    pos = int(torch.randint(0, 8, (1,), generator=gen))
+    bad = (1 << 32) + int(idx[pos])
+    idx[pos] = bad
+    with pytest.raises(moegrad.MoeError) as e:
+        moegrad.moe_finalize_routing(torch.randn(8, 4), idx, scales=torch.rand(4, 2))
+    assert e.value.code == FINALIZE
+    assert str(bad) in str(e.value) and f"position {pos}" in str(e.value)
