@@ -260,6 +260,11 @@ MOEGRAD_API ExecutorPtr plan_swiglu_group_quant(const TensorView* x, const Tenso
                                                 const SwigluQuantAttrs& attrs, const TensorView* y,
                                                 const TensorView* y_scale,
                                                 const TensorView* y_origin);
+// Stage one without outputs (they are bound when the executor runs): y, y_scale, y_origin.
+MOEGRAD_API ExecutorPtr prepare_swiglu_group_quant(const TensorView* x, const TensorView* weight,
+                                                   const TensorView* group_index,
+                                                   const TensorView* scale,
+                                                   const SwigluQuantAttrs& attrs);
 // Shapes of (y, y_scale, y_origin); y_origin is [0] without output_origin.
 MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant(const TensorView* x,
                                                         const TensorView* weight,

@@ -17,7 +17,10 @@ from ._errors import ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError
 
 # DType codes of the native plans (aclDataType values) -> torch dtypes.
 _DTYPES = {0: torch.float32, 1: torch.float16, 3: torch.int32, 9: torch.int64,
-           27: torch.bfloat16}
+           27: torch.bfloat16, 35: torch.float8_e5m2, 36: torch.float8_e4m3fn,
+           37: torch.float8_e8m0fnu}
+# float8 tensors cannot cross DLPack: they are handed to the native run as uint8 views (L26).
+_FP8 = (torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e8m0fnu)
 
 
 def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -31,7 +34,7 @@ def _execute(planned, like: Tensor) -> List[Tensor]:
     outs = [torch.empty(shape, dtype=_DTYPES[code], device=dev) for shape, code in specs]
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    _C.run(plan, outs, ws, stream)
+    _C.run(plan, [o.view(torch.uint8) if o.dtype in _FP8 else o for o in outs], ws, stream)
     return outs
 
 
@@ -429,22 +432,17 @@ def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
     x, weight, group_index, scale = (x.contiguous(), _contig(weight), _contig(group_index),
                                      _contig(scale))
     code = _DST_CODES.get(dst_type, dst_type)
-    attrs = (code, quant_mode, block_size, round_scale, clamp_limit, dst_type_max,
-             output_origin)
-    sy, ss, so = _C.infer_swiglu_group_quant(x, weight, group_index, scale, *attrs)
-    y = _empty(sy, _FP8_DTYPES[code], x)
-    y_scale = _empty(ss, torch.float32 if quant_mode == 0 else torch.float8_e8m0fnu, x)
-    y_origin = _empty(so, x.dtype, x)
-    # float8 tensors do not cross DLPack: the kernel writes their bytes through uint8 views.
-    _C.swiglu_group_quant(x, weight, group_index, scale, *attrs, y.view(torch.uint8),
-                          y_scale if quant_mode == 0 else y_scale.view(torch.uint8),
-                          y_origin if output_origin else None)
+    y, y_scale, y_origin = _execute(_C.plan_swiglu_group_quant(
+        x, weight, group_index, scale, code, quant_mode, block_size, round_scale, clamp_limit,
+        dst_type_max, output_origin), x)
     return y, y_scale, y_origin
 
 
 @swiglu_group_quant.register_fake
 def _(x, weight=None, group_index=None, scale=None, dst_type=292, quant_mode=0, block_size=0,
       round_scale=False, clamp_limit=-1.0, dst_type_max=15.0, output_origin=False):
+    _same_device("swiglu_group_quant", ("x", x), ("weight", weight),
+                 ("group_index", group_index), ("scale", scale))
     code = _DST_CODES.get(dst_type, dst_type)
     sy, ss = _quant_shapes(x, quant_mode)
     y = x.new_empty(sy, dtype=_FP8_DTYPES.get(code, torch.uint8))

@@ -72,7 +72,7 @@ MODELS: Dict[str, dict] = {
 
 OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
        "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
-       "swiglu_group_quant")
+       "swiglu_group_quant", "moe_init_routing", "moe_init_routing_grad")
 BACKWARD_OPS = ("moe_gating_top_k_backward", "moe_finalize_routing_grad",
                 "swiglu_group_quant_backward")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -118,6 +118,12 @@ BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
         "x Tk*2F*s + weight Tk*4 + group_index G*8 + y Tk*F*1 + y_scale Tk*ceil(F/128)*4",
         lambda Tk, F, G, s, **_: Tk * 2 * F * s + Tk * 4 + G * 8 + Tk * F
         + Tk * ((F + 127) // 128) * 4),
+    "moe_init_routing": (
+        "x R*H*s + expert_idx R*K*4 + expanded_x R*K*H*s + expanded_row_idx R*K*4 + counts N*8",
+        lambda R, K, H, N, s, **_: R * H * s + R * K * 4 + R * K * H * s + R * K * 4 + N * 8),
+    "moe_init_routing_grad": (
+        "grad_expanded_x R*K*H*s + expanded_row_idx R*K*4 + grad_x R*H*s",
+        lambda R, K, H, s, **_: R * K * H * s + R * K * 4 + R * H * s),
 }
 
 # Peak memory of the eager formula's temporaries, in multiples of the case's bytes as if every
@@ -127,6 +133,7 @@ EAGER_TEMP_FACTOR = {
     "moe_gating_top_k": 4.0, "moe_gating_top_k_backward": 3.5, "moe_finalize_routing": 0.6,
     "moe_finalize_routing_grad": 0.8, "swiglu_group": 1.4, "swiglu_group_quant_backward": 2.3,
     "swiglu_group_quant": 3.0,
+    "moe_init_routing": 1.6, "moe_init_routing_grad": 1.2,
 }
 
 
@@ -366,6 +373,28 @@ def build_case(op: str, model: str, dtype_name: str, tokens: int) -> Case:
             # The native call writes y through a uint8 view (float8 does not cross DLPack).
             return CaseData((x,), kw, (x, w, gi, None, 36, 0, 0, False, clamp, 15.0, False,
                                        y.view(torch.uint8), ys, None), (y, ys), (x,), kw)
+    elif op == "moe_init_routing":
+        dims = dict(R=T, K=K, H=H, N=E, s=s)
+        desc = f"x[{T},{H}] k={K} E={E}"
+
+        def make(g):
+            x = _randn((T, H), dt, g)
+            eidx = torch.rand((T, E), generator=g).topk(K, dim=1).indices.to(torch.int32)
+            ex = torch.empty((T * K, H), dtype=dt)
+            idx = torch.empty((T * K,), dtype=torch.int32)
+            cnt = torch.empty((E,), dtype=torch.int64)
+            kw = dict(expert_num=E)
+            return CaseData((x, eidx), kw, (x, eidx, 0, 0, E, 0, 1, True, False, 0, 0, 0,
+                                            ex, idx, cnt), (ex, idx, cnt), (x, eidx), kw)
+    elif op == "moe_init_routing_grad":
+        dims = dict(R=T, K=K, H=H, s=s)
+        desc = f"gex[{T * K},{H}] k={K}"
+
+        def make(g):
+            gex = _randn((T * K, H), dt, g)
+            idx = torch.randperm(T * K, generator=g).to(torch.int32)  # src->dst, row layout
+            gx = torch.empty((T, H), dtype=dt)
+            return CaseData((gex, idx, K), {}, (gex, idx, K, 0, 0, gx), (gx,), (gex, idx, K), {})
     else:
         raise ValueError(f"unknown op {op!r}")
     nbytes = BYTES[op][1](**dims)
@@ -407,6 +436,7 @@ _CHECK_TOL = {  # sanity check against the eager formula; the tests own the real
     torch.float16: dict(rtol=2e-3, atol_frac=2e-3),
     torch.bfloat16: dict(rtol=1.6e-2, atol_frac=1e-2),
     torch.int32: dict(rtol=0.0, atol_frac=0.0),
+    torch.int64: dict(rtol=0.0, atol_frac=0.0),
 }
 
 
@@ -460,7 +490,9 @@ def check_outputs(op: str, data: CaseData, got: tuple, want: tuple) -> str:
                  "moe_finalize_routing": ("out",),
                  "moe_finalize_routing_grad": ("grad_expanded_x", "grad_scales"),
                  "swiglu_group": ("y",),
-                 "swiglu_group_quant_backward": ("grad_x", "grad_weight")}[op]
+                 "swiglu_group_quant_backward": ("grad_x", "grad_weight"),
+                 "moe_init_routing": ("expanded_x", "expanded_row_idx", "counts"),
+                 "moe_init_routing_grad": ("grad_x",)}[op]
         got = got if isinstance(got, tuple) else (got,)
         want = want if isinstance(want, tuple) else (want,)
         problems = [_close(n, a, b) for n, a, b in zip(names, got, want)]
@@ -856,6 +888,10 @@ def report(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:
+        from .bench_layer import main as layer_main
+        return layer_main(argv)
     args = parse_args(argv)
     if args.from_json:
         return report(args)

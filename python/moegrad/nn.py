@@ -24,19 +24,18 @@ __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_
 
 # ------------------------------------------------------------------------------ expert GEMMs --
 def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
-    """torch._grouped_mm serves this call: it exists, strides are 16-byte multiples, and the
-    device/dtype is one it supports (CUDA: bf16 on sm90+; CPU: any float in eager mode, bf16
-    under torch.compile, whose shape function only knows bf16)."""
-    if not hasattr(torch, "_grouped_mm"):
+    """torch._grouped_mm serves this call: it exists, strides are 16-byte multiples, and it is
+    the better choice for the device: CUDA bf16 on sm90+; on the CPU only under torch.compile
+    with bf16 (no host sync, so no graph break; its shape function knows bf16 only). CPU eager
+    uses the per-expert loop, which is as fast or faster there (L37)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
         return False
     es = x.element_size()
     if (x.shape[-1] * es) % 16 or (w.shape[-1] * es) % 16:
         return False
     if x.is_cuda:
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-    if x.dtype == torch.bfloat16:
-        return True
-    return not torch.compiler.is_compiling()
+        return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return torch.compiler.is_compiling()
 
 
 @torch.compiler.disable
@@ -170,6 +169,14 @@ class MoE(nn.Module):
                 self.shared_up.normal_(0.0, 1.0 / math.sqrt(self.hidden), generator=generator)
                 self.shared_down.normal_(0.0, 1.0 / math.sqrt(self.shared_hidden),
                                          generator=generator)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(dtype) / .half() convert parameters; the routing buffers stay fp32 (exact counts,
+        # the bias is added to fp32 scores).
+        super()._apply(fn, *args, **kwargs)
+        self.selection_bias = self.selection_bias.float()
+        self.tokens_per_expert = self.tokens_per_expert.float()
+        return self
 
     # -- routing ----------------------------------------------------------------------------
     def route(self, x: Tensor):

@@ -1,4 +1,4 @@
-"""Plain-PyTorch formulas of the six moegrad operators (eager and torch.compile baselines).
+"""Plain-PyTorch formulas of the moegrad operators (eager and torch.compile baselines).
 
 These are what a careful PyTorch user would write for the same semantics, vectorised over tokens
 (the only Python loops run over the top-k slots K <= 8, never over tokens). They follow the
@@ -24,6 +24,7 @@ __all__ = [
     "moe_gating_top_k", "gating_weights", "moe_gating_top_k_backward",
     "moe_finalize_routing", "moe_finalize_routing_grad",
     "swiglu_group", "swiglu_group_quant_backward",
+    "moe_init_routing", "moe_init_routing_grad",
 ]
 
 
@@ -274,3 +275,42 @@ def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
     y_origin = (y.to(x.dtype).reshape(*lead, H) if output_origin
                 else torch.empty((0,), dtype=x.dtype, device=x.device))
     return q.reshape(*lead, H), sc, y_origin
+# ---------------------------------------------------------------------------------------------
+# Token permutation (§8): init routing (dropless, counts) and its grad
+# ---------------------------------------------------------------------------------------------
+def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
+                     expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
+                     expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
+                     active_expert_range=None, row_idx_type: int = 0):
+    """Dropless permutation: (x rows sorted by expert, src->dst index int32, counts int64)."""
+    if drop_pad_mode != 0 or active_num > 0 or active_expert_range or row_idx_type != 0:
+        raise NotImplementedError("reference_torch.moe_init_routing: dropless mode only")
+    K = expert_idx.shape[1]
+    flat = expert_idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    idx = torch.empty_like(order)
+    idx[order] = torch.arange(order.numel(), device=order.device)
+    ex = x.index_select(0, order // K)
+    if expert_tokens_num_flag and expert_num > 0:
+        counts = torch.bincount(flat, minlength=expert_num)
+        if expert_tokens_num_type == 0:
+            counts = counts.cumsum(0)
+    else:
+        counts = torch.zeros(0, dtype=torch.int64, device=x.device)
+    return ex, idx.to(torch.int32), counts
+
+
+def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
+                          drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
+    """grad_x [R, H]: per token the fp32 sum of its valid rows, narrowed once."""
+    hidden = grad_expanded_x.shape[-1]
+    g = grad_expanded_x.reshape(-1, hidden)
+    n_rows = g.shape[0]
+    idx = expanded_row_idx.long().view(-1, top_k)
+    out = torch.zeros((idx.shape[0], hidden), dtype=torch.float32, device=g.device)
+    for j in range(top_k):
+        d = idx[:, j]
+        valid = (d >= 0) & (d < n_rows)
+        term = g.index_select(0, d.clamp(0, max(n_rows - 1, 0))).float()
+        out = out + torch.where(valid.unsqueeze(1), term, 0.0)
+    return out.to(grad_expanded_x.dtype)

@@ -273,7 +273,11 @@ void bind_output(const PlanBase& p, size_t i, const TensorView* t, TensorView& s
     }
     throw Error(kErrNullptr, cat(p.op, ": ", name, ": required tensor must not be null; got null"));
   }
-  if (t->dtype != spec.dtype) {
+  // uint8 is the storage of a planned 8-bit float output (frameworks without float8, L26).
+  const bool fp8_storage = t->dtype == DType::kUInt8 &&
+                           (spec.dtype == DType::kFloat8E4M3FN || spec.dtype == DType::kFloat8E5M2 ||
+                            spec.dtype == DType::kFloat8E8M0);
+  if (t->dtype != spec.dtype && !fp8_storage) {
     throw Error(kErrParamInvalid, cat(p.op, ": ", name, ": dtype must be ",
                                       dtype_name(spec.dtype), " as planned; got ",
                                       dtype_name(t->dtype)));

@@ -141,7 +141,7 @@ const std::vector<R_> kRules = {
      }, kShape, "expanded_row_idx|expandedRowIdx", {"7"}},
     // host index values: 561103 naming the position and value (D6)
     {"RowIdxOutOfRangeMode0", [](FinalizeFwdCase& c) { c.expanded_row_idx.set_i32(2, 6); }, kShape, "expanded_row_idx|expandedRowIdx", {"6", "2"}},
-    {"RowIdxMinus1Mode0", [](FinalizeFwdCase& c) { c.expanded_row_idx.set_i32(4, -1); }, kShape, "expanded_row_idx|expandedRowIdx", {"-1", "4"}},
+    {"RowIdxMinus2Mode0", [](FinalizeFwdCase& c) { c.expanded_row_idx.set_i32(4, -2); }, kShape, "expanded_row_idx|expandedRowIdx", {"-2", "4"}},
     {"RowIdxDuplicateMode0", [](FinalizeFwdCase& c) {
        c.expanded_row_idx = Tensor::from_i32({6}, {0, 1, 2, 3, 4, 2});
      }, kShape, "expanded_row_idx|expandedRowIdx", {"5"}},

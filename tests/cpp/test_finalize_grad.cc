@@ -180,7 +180,7 @@ const std::vector<R_> kRules = {
      }, kShape, "grad_scales|gradScalesOut"},
     // host index values: 561103 naming the position and value (D6)
     {"RowIdxEqualsRKMode0", [](FinalizeGradCase& c) { c.expanded_row_idx.set_i32(2, 6); }, kShape, "expanded_row_idx|expandedRowIdx", {"6", "2"}},
-    {"RowIdxMinus1Mode0", [](FinalizeGradCase& c) { c.expanded_row_idx.set_i32(5, -1); }, kShape, "expanded_row_idx|expandedRowIdx", {"-1", "5"}},
+    {"RowIdxMinus2Mode0", [](FinalizeGradCase& c) { c.expanded_row_idx.set_i32(5, -2); }, kShape, "expanded_row_idx|expandedRowIdx", {"-2", "5"}},
     {"RowIdxDuplicateMode0", [](FinalizeGradCase& c) { c.expanded_row_idx = Tensor::from_i32({6}, {3, 1, 2, 3, 4, 0}); }, kShape, "expanded_row_idx|expandedRowIdx", {"3"}},
     {"RowIdxBelowMinus1Mode1", [](FinalizeGradCase& c) { c.to_drop_pad(2, 4, {7, -1, 0, -2, 5, 1}); }, kShape, "expanded_row_idx|expandedRowIdx", {"-2", "3"}},
     {"RowIdxEqualsECMode1", [](FinalizeGradCase& c) { c.to_drop_pad(2, 4, {7, -1, 8, 3, 5, 1}); }, kShape, "expanded_row_idx|expandedRowIdx", {"8", "2"}},

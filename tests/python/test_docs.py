@@ -123,15 +123,29 @@ def test_every_decision_tag_resolves():
     assert not bad, "decision tags without an entry in docs/decisions.md:\n" + "\n".join(bad)
 
 
+def _anchors(doc):
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    found = set()
+    for line in doc.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            found.add(slug)
+    return found
+
+
 def test_relative_links_in_docs_exist():
     bad = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for m in re.finditer(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
-            target = m.group(1).split("#", 1)[0]
-            if not target or re.match(r"[a-z]+:", target):
-                continue  # in-page anchor or URL
-            if not (doc.parent / target).exists():
+            target, _, anchor = m.group(1).partition("#")
+            if re.match(r"[a-z]+:", target):
+                continue  # URL
+            path = doc.parent / target if target else doc
+            if not path.exists():
                 bad.append(f"{doc.relative_to(ROOT)}: {m.group(1)}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                bad.append(f"{doc.relative_to(ROOT)}: {m.group(1)} (no such heading)")
     assert not bad, "broken relative links:\n" + "\n".join(bad)
 
 

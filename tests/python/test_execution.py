@@ -38,10 +38,17 @@ def _calls(g, idx_dtype=torch.int64):
         ("swiglu_group", moegrad.swiglu_group, (sx,), {}),
         ("swiglu_group_quant_backward", moegrad.swiglu_group_quant_backward,
          (torch.randn(6, 8, generator=g), sx), {}),
+        ("swiglu_group_quant", moegrad.swiglu_group_quant, (sx, torch.rand(6)),
+         dict(quant_mode=1, round_scale=True, output_origin=True)),
+        ("moe_finalize_routing_bias_grad", torch.ops.moegrad.moe_finalize_routing_bias_grad,
+         (torch.randn(16, 8, generator=g), eidx[:, :2] % 5, scales, 5), {}),
     ]
 
 
-@pytest.mark.parametrize("i", range(6))
+N_CALLS = 8
+
+
+@pytest.mark.parametrize("i", range(N_CALLS))
 def test_validation_runs_once_per_op_call(gen, i):
     name, fn, args, kwargs = _calls(gen)[i]
     before = _C._validation_count()
@@ -49,7 +56,7 @@ def test_validation_runs_once_per_op_call(gen, i):
     assert _C._validation_count() - before == 1, name
 
 
-@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("i", range(N_CALLS))
 @pytest.mark.parametrize("which", ["first", "other"])
 def test_meta_tensor_in_eager_fails_with_161002(gen, i, which):
     name, fn, args, kwargs = _calls(gen)[i]

@@ -502,3 +502,43 @@ def test_chain_forward_and_input_grad(mode, rng):
     xr = x.detach().double().requires_grad_(True)
     (_chain_reference(xr, eidx, w, scales, F) * up.double()).sum().backward()
     assert torch.allclose(x.grad.double(), xr.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(drop_pad_mode=1, expert_capacity=4),
+                                dict(active_expert_range=[1, 3]), dict(active_num=15)],
+                         ids=["dropless", "drop-pad", "window", "active"])
+def test_chain_trains_end_to_end(kw, rng):
+    """init routing -> SwiGLU -> finalize (mode 2/3) with autograd all the way (D31): x, the
+    expert weight and the scales get the float64 gradients of the same computation; slots that
+    are dropped, outside the window or truncated contribute nothing (index -1 / >= rows, D29)."""
+    R, K, E, H, F = 11, 2, 4, 6, 5
+    x = randn((R, H), torch.float32, rng).requires_grad_(True)
+    w = randn((H, 2 * F), torch.float32, rng, std=0.5).requires_grad_(True)
+    scales = torch.rand(R, K, dtype=torch.float32).requires_grad_(True)
+    eidx = rand_expert_idx(R, K, E, rng)
+    ex, idx, _ = moegrad.moe_init_routing(x, eidx, expert_num=E, **kw)
+    mode = kw.get("drop_pad_mode", 0)
+    act = moegrad.swiglu_group(ex.reshape(-1, H) @ w).reshape(*ex.shape[:-1], F)
+    y = moegrad.moe_finalize_routing(act, idx, scales=scales, drop_pad_mode=2 + mode)
+    up = randn((R, F), torch.float32, rng)
+    (y * up).sum().backward()
+    # float64 reference: each slot whose index addresses a materialised row.
+    rows = ex.shape[0] * (ex.shape[1] if mode == 1 else 1)
+    live = (idx >= 0) & (idx < rows)
+    xr = x.detach().double().requires_grad_(True)
+    wr = w.detach().double().requires_grad_(True)
+    sr = scales.detach().double().requires_grad_(True)
+    yr = torch.zeros(R, F, dtype=torch.float64)
+    for r in range(R):
+        for k in range(K):
+            if live[r * K + k]:
+                h = xr[r] @ wr
+                yr = yr.index_add(0, torch.tensor([r]),
+                                  (sr[r, k] * torch.nn.functional.silu(h[:F]) * h[F:])[None])
+    (yr * up.double()).sum().backward()
+    assert torch.allclose(y.double(), yr, rtol=1e-4, atol=1e-5)
+    for got, want, name in ((x.grad, xr.grad, "x"), (w.grad, wr.grad, "w"),
+                            (scales.grad, sr.grad, "scales")):
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5), name
+    if "active_expert_range" in kw:
+        assert (~live).any() and (idx[~live] == -1).all()

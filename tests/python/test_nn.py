@@ -133,10 +133,12 @@ def test_zero_tokens_and_2d_input():
 
 def test_bf16_layer_close_to_fp32(seed):
     torch.manual_seed(seed)
-    m = MoE(32, 16, 8, 2, score="softmax")
+    m = MoE(32, 16, 8, 2, n_group=2, topk_group=1)
+    m.selection_bias.copy_(torch.randn(8) * 0.01)
     x = torch.randn(64, 32)
     y32 = m(x)
-    mb = MoE(32, 16, 8, 2, score="softmax").to(torch.bfloat16)
+    mb = MoE(32, 16, 8, 2, n_group=2, topk_group=1).to(torch.bfloat16)
+    assert mb.selection_bias.dtype == torch.float32 and mb.w_up.dtype == torch.bfloat16
     mb.load_state_dict(m.state_dict())
     yb = mb(x.bfloat16())
     assert yb.dtype == torch.bfloat16

@@ -425,14 +425,14 @@ case("L4-expert_idx-gives-K", G, dict(scales=False, bias=False),
 case("out-rank1", G, {}, new("out", 32), FINALIZE, "out")
 case("out-cols", G, dict(x1=False, x2=False, bias=False), new("out", 4, 9), FINALIZE,
      ("out", "expanded_x"))
-# D6 (host indices): dropless [0, R*K), drop-pad [-1, E*C), each valid value at most once.
+# D6/D29 (host indices): dropless [-1, R*K), drop-pad [-1, E*C), each valid value at most once.
 RK = dict(R=7, K=3, E=4, C=8)
 case("D6-mode0-too-large", G, RK, set_raw("expanded_row_idx", 13, 37), FINALIZE,
      "expanded_row_idx", [[37], [13]])
 case("D6-mode0-equal-RK", G, RK, set_raw("expanded_row_idx", 13, 21), FINALIZE,
      "expanded_row_idx", [[21], [13]])
-case("D6-mode0-minus1", G, RK, set_raw("expanded_row_idx", 13, -1), FINALIZE,
-     "expanded_row_idx", [[-1], [13]])
+case("D29-mode0-minus2", G, RK, set_raw("expanded_row_idx", 13, -2), FINALIZE,
+     "expanded_row_idx", [[-2], [13]])
 case("D6-mode0-duplicate", G, RK, dup_idx("expanded_row_idx", 6, 17, 12), FINALIZE,
      "expanded_row_idx", [[12], [6, 17]])
 case("D6-mode2-duplicate", G, dict(RK, mode=2), dup_idx("expanded_row_idx", 6, 17, 12), FINALIZE,
@@ -530,8 +530,8 @@ case("K-0", G, dict(K=0), None, FINALIZE,
 RKg = dict(R=7, K=3, E=4, C=8)
 case("D6-mode0-too-large", G, RKg, set_raw("expanded_row_idx", 13, 37), FINALIZE,
      "expanded_row_idx", [[37], [13]])
-case("D6-mode0-minus1", G, RKg, set_raw("expanded_row_idx", 13, -1), FINALIZE,
-     "expanded_row_idx", [[-1], [13]])
+case("D29-mode0-minus2", G, RKg, set_raw("expanded_row_idx", 13, -2), FINALIZE,
+     "expanded_row_idx", [[-2], [13]])
 case("D6-mode0-duplicate", G, RKg, dup_idx("expanded_row_idx", 6, 17, 12), FINALIZE,
      "expanded_row_idx", [[12], [6, 17]])
 case("D6-mode1-minus2", G, dict(RKg, mode=1), set_raw("expanded_row_idx", 13, -2), FINALIZE,

@@ -89,3 +89,15 @@ def test_example_5_8_swiglu_backward_through_api():
                   extra=slack)
     _check_listed(np.array(float(gw.double().sum())), np.array(EX58_SUM_GW), 2,
                   "§5.8 sum gradWeight", n_reduce=512, scale=np.array(EX58_SUM_GW))
+
+
+def test_worked_example_2_7_gating_forward_ties_and_bias():
+    """§2.7: equal sigmoid scores go to the lower expert; the bias changes the choice only."""
+    x = torch.tensor([[0.0, 2.0, -1.0, 2.0]])
+    y, idx, _ = moegrad.moe_gating_top_k(x, 2, norm_type=1)
+    assert idx.tolist() == [[1, 3]]
+    torch.testing.assert_close(y, torch.tensor([[0.5, 0.5]]))
+    y, idx, _ = moegrad.moe_gating_top_k(x, 2, bias=torch.tensor([0.0, 0.0, 0.7, 0.0]),
+                                         norm_type=1)
+    assert idx.tolist() == [[2, 1]]
+    torch.testing.assert_close(y, torch.tensor([[0.233915, 0.766085]]), atol=1e-6, rtol=0)

@@ -13,11 +13,11 @@ namespace {
 void optional_layout(const Validator& v, const TensorView* t, const char* arg) {
   if (t) v.contiguous(*t, arg);
 }
-// D6 on host tensors: dropless indices lie in [0, limit) (limit = R*K), drop-pad indices in
-// [-1, limit) (limit = E*C); each valid value appears at most once.
-void check_expanded_row_idx(const Validator& v, const TensorView& idx, bool drop_pad,
-                            int64_t limit) {
-  check_index_range(v, kErrInnerNullptr, idx, "expanded_row_idx", drop_pad ? -1 : 0, limit);
+// D6, D29 on host tensors: indices lie in [-1, limit) (limit = R*K dropless, E*C drop-pad; -1
+// = no row, also in dropless modes, as an active expert window produces); each valid value
+// appears at most once.
+void check_expanded_row_idx(const Validator& v, const TensorView& idx, int64_t limit) {
+  check_index_range(v, kErrInnerNullptr, idx, "expanded_row_idx", -1, limit);
   check_index_unique(v, kErrInnerNullptr, idx, "expanded_row_idx", limit);
 }
 
@@ -133,7 +133,7 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   if (with_outputs) v.shape(*out, "out", {R, H});
 
   const int64_t rows = drop_pad ? mul_sat(ex->shape[0], ex->shape[1]) : ex->shape[0];
-  check_expanded_row_idx(v, *idx, drop_pad, drop_pad ? rows : RK);
+  check_expanded_row_idx(v, *idx, drop_pad ? rows : RK);
   if (bias) check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, bias->shape[0]);
 
   p.expanded_x = *ex;
@@ -293,7 +293,7 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
     }
     v.shape(*gs, "grad_scales", gs_shape);
   }
-  check_expanded_row_idx(v, *idx, mode == 1, mode == 1 ? rows : RK);
+  check_expanded_row_idx(v, *idx, mode == 1 ? rows : RK);
   if (bias_used) check_index_range(v, kErrInnerNullptr, *eidx_used, "expert_idx", 0, bias_used->shape[0]);
 
   p.grad_y = *gy;

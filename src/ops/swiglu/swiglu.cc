@@ -231,6 +231,8 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
                                       bool with_outputs) {
   Validator v("swiglu_group_quant", kErrTiling);
   SwigluQuantPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
   v.present(x, "x");
   if (with_outputs) {
     v.present(y, "y");
@@ -263,16 +265,8 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
               "tensor with quant_mode ", a.quant_mode));
   // Dtypes and layouts (161002).
   v.dtype_in(*x, "x", kFloatTypes);
-  const Device dev = x->device;
-  v.layout(*x, "x", dev);
-  if (weight) {
-    v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
-    v.layout(*weight, "weight", dev);
-  }
-  if (group_index) {
-    v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
-    v.layout(*group_index, "group_index", dev);
-  }
+  if (weight) v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
+  if (group_index) v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
   const DType y_dt = dst == 35 ? DType::kFloat8E5M2 : DType::kFloat8E4M3FN;
   const DType s_dt = a.quant_mode == 0 ? DType::kFloat32 : DType::kFloat8E8M0;
   if (with_outputs) {
@@ -283,12 +277,22 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
     } else {
       v.dtype_in(*y_scale, "y_scale", {s_dt, DType::kUInt8});
     }
-    v.layout(*y, "y", dev);
-    v.layout(*y_scale, "y_scale", dev);
-    if (a.output_origin) {
-      v.same_dtype(*y_origin, "y_origin", x->dtype, "x's dtype");
-      v.layout(*y_origin, "y_origin", dev);
-    }
+    if (a.output_origin) v.same_dtype(*y_origin, "y_origin", x->dtype, "x's dtype");
+  }
+  const TensorView* yo_used = a.output_origin ? y_origin : nullptr;
+  p.backend = select_backend(v, {{"x", x},
+                                 {"weight", weight},
+                                 {"group_index", group_index},
+                                 {"y", y},
+                                 {"y_scale", y_scale},
+                                 {"y_origin", yo_used}});
+  v.contiguous(*x, "x");
+  if (weight) v.contiguous(*weight, "weight");
+  if (group_index) v.contiguous(*group_index, "group_index");
+  if (with_outputs) {
+    v.contiguous(*y, "y");
+    v.contiguous(*y_scale, "y_scale");
+    if (yo_used) v.contiguous(*yo_used, "y_origin");
   }
   // Shapes and attributes (561002).
   p.clamp = check_clamp(v, a.clamp_limit);
@@ -334,20 +338,35 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
   p.T = T;
   p.H = H;
   p.blocks = blocks;
+  p.device = x->device;
+  p.device_id = x->device_id;
+  p.bound = with_outputs;
+  p.add_output("y", p.y_shape, y_dt);
+  p.add_output("y_scale", p.y_scale_shape, s_dt);
+  p.add_output("y_origin", p.y_origin_shape, x->dtype, !a.output_origin);
   return p;
 }
 
-void run_plan(const SwigluQuantPlan& plan, void*, void*) {
-  require_cpu(plan.op, plan.x);
-  swiglu_quant_cpu(plan);
-}
+namespace {
+// No CUDA kernel yet: a CUDA tensor gets 161002 "no cuda kernel" in stage one (L24).
+const KernelTable<SwigluQuantPlan> kQuant = {{swiglu_quant_cpu_size, swiglu_quant_cpu}, {}};
+}  // namespace
 
 ExecutorPtr plan_swiglu_group_quant(const TensorView* x, const TensorView* weight,
                                     const TensorView* group_index, const TensorView* scale,
                                     const SwigluQuantAttrs& attrs, const TensorView* y,
                                     const TensorView* y_scale, const TensorView* y_origin) {
   return make_executor(validate_swiglu_quant(x, weight, group_index, scale, attrs, y, y_scale,
-                                             y_origin, true));
+                                             y_origin, true),
+                       kQuant);
+}
+
+ExecutorPtr prepare_swiglu_group_quant(const TensorView* x, const TensorView* weight,
+                                       const TensorView* group_index, const TensorView* scale,
+                                       const SwigluQuantAttrs& attrs) {
+  return make_executor(validate_swiglu_quant(x, weight, group_index, scale, attrs, nullptr,
+                                             nullptr, nullptr, false),
+                       kQuant);
 }
 
 std::vector<Shape> infer_swiglu_group_quant(const TensorView* x, const TensorView* weight,

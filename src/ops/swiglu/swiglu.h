@@ -34,9 +34,7 @@ struct SwigluGradPlan : PlanBase {
   bool wants_grad_weight() const { return has_weight && grad_weight.ndim > 0; }
 };
 
-struct SwigluQuantPlan {
-  const char* op = "swiglu_group_quant";
-  uint64_t workspace_bytes = 0;
+struct SwigluQuantPlan : PlanBase {
   TensorView x, weight, group_index, y, y_scale, y_origin;
   bool has_weight = false, has_group_index = false, write_origin = false;
   bool e5m2 = false;         // y format: e5m2, else e4m3fn
@@ -48,6 +46,7 @@ struct SwigluQuantPlan {
   int64_t blocks = 0;        // scales per row: ceil(H / block)
   int64_t scale_stride = 0;  // scale elements per row: blocks (mode 0), 2*ceil(blocks/2) (mode 1)
   Shape y_shape, y_scale_shape, y_origin_shape;
+  std::array<TensorView*, 3> output_views() { return {&y, &y_scale, &y_origin}; }
 };
 
 SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* weight,
@@ -55,8 +54,6 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
                                       const SwigluQuantAttrs& attrs, const TensorView* y,
                                       const TensorView* y_scale, const TensorView* y_origin,
                                       bool with_outputs);
-void run_plan(const SwigluQuantPlan& plan, void* workspace, void* stream);
-void swiglu_quant_cpu(const SwigluQuantPlan& plan);
 
 SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
                            const TensorView* group_index, const SwigluAttrs& attrs,
@@ -76,6 +73,10 @@ void swiglu_cpu_size(SwigluPlan& plan, WorkspaceLayout& layout);
 void swiglu_cpu(const SwigluPlan& plan, const Workspace& ws, void* stream);
 void swiglu_grad_cpu_size(SwigluGradPlan& plan, WorkspaceLayout& layout);
 void swiglu_grad_cpu(const SwigluGradPlan& plan, const Workspace& ws, void* stream);
+// The quantised forward (swiglu_quant_cpu.cc). A CUDA backend adds swiglu_quant_cuda_size /
+// swiglu_quant_cuda below and its MOEGRAD_CUDA_ENTRY in the kernel table (swiglu.cc).
+void swiglu_quant_cpu_size(SwigluQuantPlan& plan, WorkspaceLayout& layout);
+void swiglu_quant_cpu(const SwigluQuantPlan& plan, const Workspace& ws, void* stream);
 
 #if defined(MOEGRAD_WITH_CUDA)
 // CUDA kernels (swiglu_cuda.cu); `stream` is a cudaStream_t.

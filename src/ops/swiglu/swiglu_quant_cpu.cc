@@ -86,8 +86,6 @@ using quant_detail::to_e5m2;
 
 constexpr float kAmaxFloor = 1e-4f;  // §6.4: the block amax is at least 1e-4
 
-int64_t QuantGrain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
-
 // The clamp of §5.5 step 2 (x0 <- min(x0, c); x1 <- clamp(x1, -c, c)); NaN passes through.
 struct QClamp {
   VF c, nc;
@@ -174,7 +172,8 @@ HWY_INLINE float QuantBlock(const float* HWY_RESTRICT v, int64_t n, float fmax, 
 }
 
 template <typename T, bool kE5M2>
-void QuantRows(const SwigluQuantPlan& p, int64_t active, int64_t begin, int64_t end) {
+void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t begin,
+               int64_t end) {
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t H = p.H, B = p.block, S = p.scale_stride;
@@ -186,9 +185,8 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, int64_t begin, int64_t 
   float* sc32 = p.quant_mode == 0 ? typed<float>(p.y_scale) : nullptr;
   uint8_t* sc8 = p.quant_mode == 1 ? static_cast<uint8_t*>(p.y_scale.data) : nullptr;
   const QClamp clamp(d, p.clamp);
-  auto buf = hwy::AllocateAligned<float>(3 * kChunk);
-  std::fill(buf.get(), buf.get() + 3 * kChunk, 0.0f);
-  float* a = buf.get();
+  std::fill(buf, buf + 3 * kChunk, 0.0f);
+  float* a = buf;
   float* b = a + kChunk;
   float* o = b + kChunk;
   for (int64_t t = begin; t < end; ++t) {
@@ -207,12 +205,24 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, int64_t begin, int64_t 
     for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
       // kChunk is a multiple of both block sizes, so blocks never straddle chunks.
       const int64_t n = std::min<int64_t>(kChunk, H - h0);
-      load_chunk(x0 + h0, a, static_cast<size_t>(n));
-      load_chunk(x1 + h0, b, static_cast<size_t>(n));
-      for (size_t i = 0; i < padded(static_cast<size_t>(n)); i += N) {
-        const VF va = clamp.gate(hn::Load(d, a + i));
-        const VF vb = clamp.up(hn::Load(d, b + i));
-        hn::Store(hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw), d, o + i);
+      auto f = [&](VF va, VF vb) {
+        va = clamp.gate(va);
+        vb = clamp.up(vb);
+        return hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw);
+      };
+      size_t i = 0;
+      if constexpr (InRegister<T>::value) {
+        // Whole vectors straight from memory; the tail goes through the widened chunk.
+        for (; i + N <= static_cast<size_t>(n); i += N) {
+          hn::Store(f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), d, o + i);
+        }
+      }
+      if (i < static_cast<size_t>(n)) {
+        load_chunk(x0 + h0 + i, a + i, static_cast<size_t>(n) - i);
+        load_chunk(x1 + h0 + i, b + i, static_cast<size_t>(n) - i);
+        for (; i < padded(static_cast<size_t>(n)); i += N) {
+          hn::Store(f(hn::Load(d, a + i), hn::Load(d, b + i)), d, o + i);
+        }
       }
       if (yo) store_chunk(o, yo + t * H + h0, static_cast<size_t>(n));
       for (int64_t j = 0; j < n; j += B) {
@@ -236,11 +246,12 @@ void SwigluQuantForward(const SwigluQuantPlan& p) {
   const int64_t active = swiglu_active_rows(&p.group_index, p.has_group_index, p.T);
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.T, QuantGrain(p.H), [&](int64_t b, int64_t e) {
+    parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
+      HWY_ALIGN float buf[3 * kChunk];  // bounded scratch on the stack (L14)
       if (p.e5m2) {
-        QuantRows<T, true>(p, active, b, e);
+        QuantRows<T, true>(p, active, buf, b, e);
       } else {
-        QuantRows<T, false>(p, active, b, e);
+        QuantRows<T, false>(p, active, buf, b, e);
       }
     });
   });
@@ -254,7 +265,11 @@ HWY_AFTER_NAMESPACE();
 namespace moegrad {
 HWY_EXPORT(SwigluQuantForward);
 
-void swiglu_quant_cpu(const SwigluQuantPlan& plan) {
+void swiglu_quant_cpu_size(SwigluQuantPlan& p, WorkspaceLayout&) {
+  p.threads = plan_threads(p.T, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, p.H)));
+}
+
+void swiglu_quant_cpu(const SwigluQuantPlan& plan, const Workspace&, void*) {
   HWY_DYNAMIC_DISPATCH(SwigluQuantForward)(plan);
 }
 }  // namespace moegrad

@@ -1,0 +1,219 @@
+"""`python -m moegrad.bench --layer`: one forward + backward of moegrad.nn.MoE against the same
+layer in plain PyTorch, eager and torch.compile (docs/performance.md, "Layer").
+
+The configuration is DeepSeek-V3-like, scaled to one machine (default H=1024, F=512, E=64, K=6,
+8 groups keep 4, T=4096, fp32 and bf16). Each step is split into the expert GEMMs (timed on
+their own with the same routing: up and down projection, forward and backward) and everything
+else (total minus GEMMs). Peak memory of a step: torch.cuda.max_memory_allocated on CUDA; on
+the CPU the peak of torch's CPU allocator as recorded by the profiler (allocations minus frees
+in event order), against eager.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+import moegrad
+from moegrad.nn import MoE, grouped_mm
+
+
+# ------------------------------------------------------------------------- plain PyTorch --
+class TorchMoELayer(torch.nn.Module):
+    """The same layer written the usual way: router, argsort permutation, a GEMM per expert,
+    SwiGLU, index_add combine. Parameters are shared with (views of) the moegrad layer's."""
+
+    def __init__(self, m: MoE):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        m = self.m
+        T, E, K, Fh = x.shape[0], m.num_experts, m.top_k, m.ffn_hidden
+        logits = F.linear(x, m.gate).float()
+        s = torch.sigmoid(logits)
+        sel = (s + m.selection_bias).detach()
+        if m.n_group > 1:
+            gs = sel.view(T, m.n_group, E // m.n_group).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(
+                1, gs.topk(m.topk_group, dim=-1).indices, True)
+            sel = sel.masked_fill(~keep.repeat_interleave(E // m.n_group, 1), float("-inf"))
+        idx = sel.topk(K, dim=-1).indices
+        w = s.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * m.routed_scaling_factor
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // K
+        counts = torch.bincount(flat, minlength=E)
+        rows = x[tok]
+        sizes = counts.tolist()
+        up = torch.cat([r @ m.w_up[e] for e, r in enumerate(rows.split(sizes))])
+        act = F.silu(up[:, :Fh]) * up[:, Fh:]
+        down = torch.cat([a @ m.w_down[e] for e, a in enumerate(act.split(sizes))])
+        scale = w.reshape(-1)[order].to(down.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, down * scale[:, None])
+
+
+# ---------------------------------------------------------------------------------- timing --
+def _time(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
+    fn()                                  # warm-up (and compilation)
+    sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _cpu_peak_bytes(fn: Callable[[], None]) -> int:
+    """Peak of torch's CPU allocator during fn(), from the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage != 0),
+                    key=lambda e: e.time_range.start)
+    cur = peak = 0
+    for e in events:
+        cur += e.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return peak
+
+
+def _peak_bytes(fn: Callable[[], None], device: str) -> int:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    return _cpu_peak_bytes(fn)
+
+
+def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=0) -> Dict:
+    torch.manual_seed(seed)
+    m = MoE(H, F_, E, K, score="sigmoid", n_group=8 if E % 8 == 0 else 1,
+            topk_group=4 if E % 8 == 0 else 1, routed_scaling_factor=2.5).to(device, dtype)
+    ref = TorchMoELayer(m)
+    x = torch.randn(T, H, device=device, dtype=dtype)
+    g = torch.randn(T, H, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step(layer):
+        def f():
+            xi = x.detach().requires_grad_(True)
+            layer(xi).backward(g)
+            m.zero_grad(set_to_none=True)
+        return f
+
+    impls = {"moegrad": step(m), "eager": step(ref)}
+    if compile_baseline:
+        impls["compile"] = step(torch.compile(ref))
+    res: Dict = dict(H=H, F=F_, E=E, K=K, T=T, dtype=str(dtype).replace("torch.", ""),
+                     device=device)
+    for name, fn in impls.items():
+        res[f"{name}_ms"] = _time(fn, reps, sync) * 1e3
+    # Expert GEMMs alone, same routing: forward + backward of up and down projections.
+    with torch.no_grad():
+        _, idx, _ = m.route(x)
+        counts = torch.bincount(idx.reshape(-1).long(), minlength=E)
+    rows = torch.randn(T * K, H, device=device, dtype=dtype)
+    rg = torch.randn(T * K, H, device=device, dtype=dtype)
+
+    def gemm_grouped():
+        r = rows.detach().requires_grad_(True)
+        up = grouped_mm(r, m.w_up, counts)
+        grouped_mm(up[:, :F_].contiguous(), m.w_down, counts).backward(rg)
+        m.zero_grad(set_to_none=True)
+
+    sizes = counts.tolist()
+
+    def gemm_loop():
+        r = rows.detach().requires_grad_(True)
+        up = torch.cat([a @ m.w_up[e] for e, a in enumerate(r.split(sizes))])
+        act = up[:, :F_]
+        torch.cat([a @ m.w_down[e] for e, a in enumerate(act.split(sizes))]).backward(rg)
+        m.zero_grad(set_to_none=True)
+
+    res["gemm_grouped_ms"] = _time(gemm_grouped, reps, sync) * 1e3
+    res["gemm_loop_ms"] = _time(gemm_loop, reps, sync) * 1e3
+    res["moegrad_non_gemm_ms"] = res["moegrad_ms"] - res["gemm_grouped_ms"]
+    res["eager_non_gemm_ms"] = res["eager_ms"] - res["gemm_loop_ms"]
+    if compile_baseline:
+        res["compile_non_gemm_ms"] = res["compile_ms"] - res["gemm_loop_ms"]
+    for name in ("eager", "compile"):
+        if f"{name}_ms" in res:
+            res[f"speedup_vs_{name}"] = res[f"{name}_ms"] / res["moegrad_ms"]
+            nm, nb = res["moegrad_non_gemm_ms"], res[f"{name}_non_gemm_ms"]
+            res[f"non_gemm_speedup_vs_{name}"] = nb / nm if nm > 0 else float("nan")
+    res["peak_mb_moegrad"] = _peak_bytes(impls["moegrad"], device) / 2**20
+    res["peak_mb_eager"] = _peak_bytes(impls["eager"], device) / 2**20
+    return res
+
+
+def _fmt(r: Dict) -> str:
+    parts = [f"{r['dtype']:<8} T={r['T']:<5} H={r['H']} F={r['F']} E={r['E']} K={r['K']}:",
+             f"moegrad {r['moegrad_ms']:8.2f} ms (non-GEMM {r['moegrad_non_gemm_ms']:7.2f})",
+             f"eager {r['eager_ms']:8.2f} ms (non-GEMM {r['eager_non_gemm_ms']:7.2f})"]
+    if "compile_ms" in r:
+        parts.append(f"compile {r['compile_ms']:8.2f} ms (non-GEMM {r['compile_non_gemm_ms']:7.2f})")
+    parts.append(f"GEMMs {r['gemm_grouped_ms']:.2f} grouped / {r['gemm_loop_ms']:.2f} loop ms")
+    parts.append(f"peak {r['peak_mb_moegrad']:.1f} MB vs eager {r['peak_mb_eager']:.1f} MB")
+    return " | ".join(parts)
+
+
+def main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m moegrad.bench --layer",
+                                description="Time one forward + backward of moegrad.nn.MoE "
+                                            "against plain PyTorch (eager, torch.compile).")
+    p.add_argument("--layer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, default=None, help="H (default 1024)")
+    p.add_argument("--ffn", type=int, default=None, help="F per expert (default 512)")
+    p.add_argument("--experts", type=int, default=None, help="E (default 64)")
+    p.add_argument("--top-k", type=int, default=None, help="K (default 6)")
+    p.add_argument("--tokens", type=int, default=None, help="T (default 4096)")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="a small configuration (H=128, F=64, E=16, K=4, T=256, 2 reps)")
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    sizes = (128, 64, 16, 4, 256, 2) if a.quick else (1024, 512, 64, 6, 4096, 5)
+    for name, v in zip(("hidden", "ffn", "experts", "top_k", "tokens", "reps"), sizes):
+        if getattr(a, name) is None:
+            setattr(a, name, v)
+    dts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    prev = (torch.get_num_threads(), moegrad.get_num_threads())
+    torch.set_num_threads(a.threads)
+    moegrad.set_num_threads(a.threads)
+    try:
+        records = []
+        for name in a.dtypes.split(","):
+            r = run_config(a.hidden, a.ffn, a.experts, a.top_k, a.tokens, dts[name], a.device,
+                           a.reps, compile_baseline=not a.no_compile)
+            records.append(r)
+            print(_fmt(r))
+            sys.stdout.flush()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(meta=dict(torch=torch.__version__, threads=a.threads,
+                                         device=a.device), records=records), f, indent=2)
+        bad = [r for r in records if not all(math.isfinite(r[k]) for k in
+                                             ("moegrad_ms", "eager_ms"))]
+        return 1 if bad else 0
+    finally:
+        torch.set_num_threads(prev[0])
+        moegrad.set_num_threads(prev[1])

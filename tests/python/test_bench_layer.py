@@ -1,0 +1,20 @@
+"""Smoke test of `python -m moegrad.bench --layer` (no timing is asserted)."""
+import json
+import math
+
+from moegrad import bench
+
+
+def test_layer_benchmark_smoke(tmp_path):
+    out = tmp_path / "layer.json"
+    rc = bench.main(["--layer", "--quick", "--no-compile", "--dtypes", "fp32,bf16", "--reps", "1",
+                     "--threads", "1", "--tokens", "64", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [r["dtype"] for r in doc["records"]] == ["float32", "bfloat16"]
+    for r in doc["records"]:
+        for k in ("moegrad_ms", "eager_ms", "gemm_grouped_ms", "gemm_loop_ms",
+                  "moegrad_non_gemm_ms", "eager_non_gemm_ms", "speedup_vs_eager",
+                  "peak_mb_moegrad", "peak_mb_eager"):
+            assert isinstance(r[k], float) and math.isfinite(r[k]), (k, r[k])
+        assert r["moegrad_ms"] > 0 and r["eager_ms"] > 0 and r["peak_mb_eager"] > 0
