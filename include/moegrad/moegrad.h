@@ -285,7 +285,7 @@ struct InitRoutingAttrs {
   int64_t expert_end = 0;
   int64_t row_idx_type = 0;     // 0 src->dst (slot -> expanded row, -1 = none), 1 dst->src
 };
-// x [R,H] fp32/fp16/bf16; expert_idx [R,K] int32; expanded_x [rows,H] (mode 0: rows = R*K, or
+// x [R,H] fp32/fp16/bf16; expert_idx [R,K] int32 or int64; expanded_x [rows,H] (mode 0: rows = R*K, or
 // min(A, R*K) when A > 0) or [E,C,H] (mode 1), x.dtype; expanded_row_idx [R*K] int32;
 // expert_tokens int32 or int64, [end-start] (types 0/1, end-start = E without a window) or [E,2]
 // (type 2), required iff expert_tokens_num_flag. Shape/attribute/value errors: 561103.
@@ -294,6 +294,11 @@ MOEGRAD_API ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorV
                                               const TensorView* expanded_x,
                                               const TensorView* expanded_row_idx,
                                               const TensorView* expert_tokens);
+// Stage one without outputs: Executor::outputs() lists (expanded_x, expanded_row_idx,
+// expert_tokens [0] and optional without the flag, int64); bind them in Executor::run.
+MOEGRAD_API ExecutorPtr prepare_moe_init_routing(const TensorView* x,
+                                                 const TensorView* expert_idx,
+                                                 const InitRoutingAttrs& attrs);
 // Shapes of (expanded_x, expanded_row_idx, expert_tokens); expert_tokens is [0] without the flag.
 MOEGRAD_API std::vector<Shape> infer_moe_init_routing(const TensorView* x,
                                                       const TensorView* expert_idx,
@@ -305,12 +310,15 @@ struct InitRoutingGradAttrs {
   int64_t drop_pad_mode = 0;  // 0: grad_expanded_x [rows,H]; 1: [E,C,H]
   int64_t active_num = 0;     // mode 0: A > 0 => grad_expanded_x has min(A, R*K) rows
 };
-// grad_expanded_x fp32/fp16/bf16; expanded_row_idx [R*K] int32 (src->dst, -1 = none);
+// grad_expanded_x fp32/fp16/bf16; expanded_row_idx [R*K] int32/int64 (src->dst, -1 = none);
 // grad_x [R,H] grad_expanded_x.dtype: per token the fp32 sum, in k order, of its valid rows.
 MOEGRAD_API ExecutorPtr plan_moe_init_routing_grad(const TensorView* grad_expanded_x,
                                                    const TensorView* expanded_row_idx,
                                                    const InitRoutingGradAttrs& attrs,
                                                    const TensorView* grad_x);
+MOEGRAD_API ExecutorPtr prepare_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                                      const TensorView* expanded_row_idx,
+                                                      const InitRoutingGradAttrs& attrs);
 MOEGRAD_API std::vector<Shape> infer_moe_init_routing_grad(const TensorView* grad_expanded_x,
                                                            const TensorView* expanded_row_idx,
                                                            const InitRoutingGradAttrs& attrs);

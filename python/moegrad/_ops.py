@@ -27,6 +27,17 @@ def _contig(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
+# Tensors reach the native module as DLPack capsules: torch's C converter is about ten times
+# cheaper per tensor than Tensor.__dlpack__, which dominated the call at small sizes. A capsule
+# does not keep its tensor alive past the native call, so callers keep the tensors referenced
+# (the plan holds their addresses until run).
+_dl = torch.utils.dlpack.to_dlpack
+
+
+def _dlo(t: Optional[Tensor]):
+    return None if t is None else _dl(t)
+
+
 def _execute(planned, like: Tensor) -> List[Tensor]:
     """Stage two: allocate the planned outputs and workspace on like's device, then run."""
     plan, specs, ws_bytes = planned
@@ -34,27 +45,9 @@ def _execute(planned, like: Tensor) -> List[Tensor]:
     outs = [torch.empty(shape, dtype=_DTYPES[code], device=dev) for shape, code in specs]
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    _C.run(plan, [o.view(torch.uint8) if o.dtype in _FP8 else o for o in outs], ws, stream)
+    _C.run(plan, [_dl(o.view(torch.uint8) if o.dtype in _FP8 else o) for o in outs],
+           None if ws is None else _dl(ws), stream)
     return outs
-
-
-# Transitional helpers of the ops not yet on the plan/run path (token permutation): they narrow
-# int64 indices in Python (a host read) and validate twice. Ops on the plan/run path never use
-# them.
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-def _index32(t: Optional[Tensor], op: str, name: str, code: int) -> Optional[Tensor]:
-    if t is None:
-        return None
-    if t.dtype == torch.int64:
-        if t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < _INT32_MIN or hi > _INT32_MAX:
-                bad = lo if lo < _INT32_MIN else hi
-                raise MoeError(f"{op}: {name}: int64 values must fit in int32; got {bad}", code)
-        t = t.to(torch.int32)
-    return t.contiguous()
 
 
 def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
@@ -74,6 +67,49 @@ def _same_device(op: str, *named) -> None:
         if t.device != first.device:
             raise MoeError(f"{op}: {name}: tensor must be on the device of {first_name} "
                            f"({first.device}); got {t.device}", ERR_PARAM_INVALID)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration: torch.library.Library define/impl plus register_fake and register_autograd. Same
+# schema and behaviour as torch.library.custom_op, but about 2-3 us cheaper per call
+# (docs/performance.md, docs/decisions.md L19); opcheck and torch.compile(fullgraph=True) pass.
+# ---------------------------------------------------------------------------------------------
+_LIB = torch.library.Library("moegrad", "DEF")
+
+
+class _Op:
+    """One operator: defined from its Python body's signature, implemented by the body for every
+    device, with register_fake / register_autograd like a custom_op's."""
+
+    def __init__(self, name: str, fn):
+        self._name, self._init_fn = name, fn
+        self._schema = torch.library.infer_schema(fn, mutates_args=())
+        self._abstract_fn = self._backward_fn = self._setup_context_fn = None
+        _LIB.define(name + self._schema)
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        self._qualname = f"moegrad::{name}"
+        self._packet = getattr(torch.ops.moegrad, name)
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return self._packet(*args, **kwargs)
+
+    def register_fake(self, fn):
+        torch.library.register_fake(self._qualname, fn, lib=_LIB)
+        self._abstract_fn = fn
+        return fn
+
+    def register_autograd(self, backward, *, setup_context=None):
+        torch.library.register_autograd(self._qualname, backward, setup_context=setup_context,
+                                        lib=_LIB)
+        self._backward_fn, self._setup_context_fn = backward, setup_context
+
+
+def _op(qualname: str):
+    """Decorator: registers the function as the operator `qualname` ("moegrad::<name>")."""
+    ns, name = qualname.split("::")
+    assert ns == "moegrad", qualname
+    return lambda fn: _Op(name, fn)
 
 
 def _needs(ctx, n: int) -> Tuple[bool, ...]:
@@ -104,7 +140,7 @@ _C._set_cuda_hook(_cuda_launch_context)
 # ---------------------------------------------------------------------------------------------
 # Gating top-k (§1, §2)
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("moegrad::moe_gating_top_k", mutates_args=())
+@_op("moegrad::moe_gating_top_k")
 def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: int = 1,
                      group_count: int = 1, group_select_mode: int = 0, renorm: int = 0,
                      norm_type: int = 0, out_flag: bool = False,
@@ -113,7 +149,7 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
     x, bias = x.contiguous(), _contig(bias)
     attrs = (k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag,
              routed_scaling_factor, eps)
-    y, idx, norm = _execute(_C.plan_moe_gating_top_k(x, bias, *attrs), x)
+    y, idx, norm = _execute(_C.plan_moe_gating_top_k(_dl(x), _dlo(bias), *attrs), x)
     return y, idx, norm
 
 
@@ -126,14 +162,14 @@ def _(x, k, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, 
             x.new_empty((m, n), dtype=torch.float32))
 
 
-@torch.library.custom_op("moegrad::moe_gating_top_k_backward", mutates_args=())
+@_op("moegrad::moe_gating_top_k_backward")
 def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
                               renorm: int = 0, norm_type: int = 1,
                               routed_scaling_factor: float = 1.0, eps: float = 1e-20) -> Tensor:
     x_norm, grad_y, expert_idx = x_norm.contiguous(), grad_y.contiguous(), expert_idx.contiguous()
     attrs = (renorm, norm_type, routed_scaling_factor, eps)
-    (grad_x,) = _execute(_C.plan_moe_gating_top_k_backward(x_norm, grad_y, expert_idx, *attrs),
-                         grad_y)
+    planned = _C.plan_moe_gating_top_k_backward(_dl(x_norm), _dl(grad_y), _dl(expert_idx), *attrs)
+    (grad_x,) = _execute(planned, grad_y)
     return grad_x
 
 
@@ -192,16 +228,18 @@ moe_gating_top_k.register_autograd(_gating_backward, setup_context=_gating_setup
 # ---------------------------------------------------------------------------------------------
 # Finalize routing (§3, §4, §7.3)
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("moegrad::moe_finalize_routing", mutates_args=())
+@_op("moegrad::moe_finalize_routing")
 def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
                          x1: Optional[Tensor] = None, x2: Optional[Tensor] = None,
                          bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
                          expert_idx: Optional[Tensor] = None, drop_pad_mode: int = 0,
                          k: int = 1) -> Tensor:
-    expanded_x, idx, eidx = expanded_x.contiguous(), expanded_row_idx.contiguous(), _contig(expert_idx)
+    expanded_x, idx = expanded_x.contiguous(), expanded_row_idx.contiguous()
+    eidx = _contig(expert_idx)
     x1, x2, bias, scales = _contig(x1), _contig(x2), _contig(bias), _contig(scales)
-    (out,) = _execute(_C.plan_moe_finalize_routing(expanded_x, idx, x1, x2, bias, scales, eidx,
-                                                   drop_pad_mode, k), expanded_x)
+    planned = _C.plan_moe_finalize_routing(_dl(expanded_x), _dl(idx), _dlo(x1), _dlo(x2),
+                                           _dlo(bias), _dlo(scales), _dlo(eidx), drop_pad_mode, k)
+    (out,) = _execute(planned, expanded_x)
     return out
 
 
@@ -223,7 +261,7 @@ def _(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, ex
     return expanded_x.new_empty((rows, hidden))
 
 
-@torch.library.custom_op("moegrad::moe_finalize_routing_grad", mutates_args=())
+@_op("moegrad::moe_finalize_routing_grad")
 def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
                               expanded_x: Optional[Tensor] = None,
                               scales: Optional[Tensor] = None,
@@ -234,8 +272,9 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
     grad_y, idx, eidx = grad_y.contiguous(), expanded_row_idx.contiguous(), _contig(expert_idx)
     expanded_x, scales, bias = _contig(expanded_x), _contig(scales), _contig(bias)
     attrs = (drop_pad_mode, active_num, expert_num, expert_capacity)
-    gex, gs = _execute(_C.plan_moe_finalize_routing_grad(grad_y, idx, expanded_x, scales, eidx,
-                                                         bias, *attrs), grad_y)
+    planned = _C.plan_moe_finalize_routing_grad(_dl(grad_y), _dl(idx), _dlo(expanded_x),
+                                                _dlo(scales), _dlo(eidx), _dlo(bias), *attrs)
+    gex, gs = _execute(planned, grad_y)
     return gex, gs
 
 
@@ -276,7 +315,7 @@ def _finalize_setup(ctx, inputs, output):
                           bias if ctx.has_bias else None, expert_idx)
 
 
-@torch.library.custom_op("moegrad::moe_finalize_routing_bias_grad", mutates_args=())
+@_op("moegrad::moe_finalize_routing_bias_grad")
 def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
                                    scales: Optional[Tensor], expert_num: int) -> Tensor:
     """Gradient of finalize routing's bias (D23, L22): per expert, the sum of scale * grad_y
@@ -288,8 +327,9 @@ def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
         return moe_finalize_routing_bias_grad(grad_y.cpu(), to_cpu(expert_idx), to_cpu(scales),
                                               expert_num).to(grad_y.device)
     grad_y, eidx, scales = grad_y.contiguous(), expert_idx.contiguous(), _contig(scales)
-    (grad_bias,) = _execute(_C.plan_moe_finalize_routing_bias_grad(grad_y, eidx, scales,
-                                                                   expert_num), grad_y)
+    planned = _C.plan_moe_finalize_routing_bias_grad(_dl(grad_y), _dl(eidx), _dlo(scales),
+                                                     expert_num)
+    (grad_bias,) = _execute(planned, grad_y)
     return grad_bias
 
 
@@ -344,11 +384,12 @@ moe_finalize_routing.register_autograd(_finalize_backward, setup_context=_finali
 # ---------------------------------------------------------------------------------------------
 # SwiGLU (§5, §6.4)
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("moegrad::swiglu_group", mutates_args=())
+@_op("moegrad::swiglu_group")
 def swiglu_group(x: Tensor, weight: Optional[Tensor] = None,
                  group_index: Optional[Tensor] = None, clamp_limit: float = -1.0) -> Tensor:
     x, weight, group_index = x.contiguous(), _contig(weight), _contig(group_index)
-    (y,) = _execute(_C.plan_swiglu_group(x, weight, group_index, clamp_limit), x)
+    planned = _C.plan_swiglu_group(_dl(x), _dlo(weight), _dlo(group_index), clamp_limit)
+    (y,) = _execute(planned, x)
     return y
 
 
@@ -358,15 +399,16 @@ def _(x, weight=None, group_index=None, clamp_limit=-1.0):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op("moegrad::swiglu_group_quant_backward", mutates_args=())
+@_op("moegrad::swiglu_group_quant_backward")
 def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor] = None,
                                 y_origin: Optional[Tensor] = None,
                                 group_index: Optional[Tensor] = None,
                                 clamp_limit: float = -1.0) -> Tuple[Tensor, Tensor]:
     grad_y, x = grad_y.contiguous(), x.contiguous()
     weight, y_origin, group_index = _contig(weight), _contig(y_origin), _contig(group_index)
-    grad_x, grad_w = _execute(_C.plan_swiglu_group_quant_backward(grad_y, x, weight, y_origin,
-                                                                  group_index, clamp_limit), x)
+    planned = _C.plan_swiglu_group_quant_backward(_dl(grad_y), _dl(x), _dlo(weight),
+                                                  _dlo(y_origin), _dlo(group_index), clamp_limit)
+    grad_x, grad_w = _execute(planned, x)
     return grad_x, grad_w
 
 
@@ -422,7 +464,7 @@ def _quant_shapes(x, quant_mode):
     return lead + [h], lead + [(h + 127) // 128]
 
 
-@torch.library.custom_op("moegrad::swiglu_group_quant", mutates_args=())
+@_op("moegrad::swiglu_group_quant")
 def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
                        group_index: Optional[Tensor] = None, scale: Optional[Tensor] = None,
                        dst_type: int = 292, quant_mode: int = 0, block_size: int = 0,
@@ -498,13 +540,12 @@ def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag)
     return False, 0, 0, flag
 
 
-@torch.library.custom_op("moegrad::moe_init_routing", mutates_args=())
+@_op("moegrad::moe_init_routing")
 def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                      expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
                      expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
                      active_expert_range: Optional[List[int]] = None,
                      row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    op = "moe_init_routing"
     if x.is_cuda:
         # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
         # not capturable in a CUDA graph; docs/cuda.md) ----
@@ -512,17 +553,12 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                                 expert_num, drop_pad_mode, expert_tokens_num_type,
                                 expert_tokens_num_flag, active_expert_range, row_idx_type)
         return tuple(t.to(x.device) for t in outs)
-    x = x.contiguous()
-    eidx = _index32(expert_idx, op, "expert_idx", ERR_FINALIZE_ROUTING)
+    x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
     attrs = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_num_type,
              flag, has_range, start, end, row_idx_type)
-    sx, si, st = _C.infer_moe_init_routing(x, eidx, *attrs)
-    ex = _empty(sx, x.dtype, x)
-    idx = _empty(si, torch.int32, x)
-    tokens = _empty(st, torch.int64, x)
-    _C.moe_init_routing(x, eidx, *attrs, ex, idx, tokens if flag else None)
+    ex, idx, tokens = _execute(_C.plan_moe_init_routing(x, eidx, *attrs), x)
     return ex, idx, tokens
 
 
@@ -530,6 +566,7 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
 def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
       expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=None,
       row_idx_type=0):
+    _same_device("moe_init_routing", ("x", x), ("expert_idx", expert_idx))
     r, h = x.shape[0], x.shape[1]
     n = r * expert_idx.shape[1]
     if drop_pad_mode == 1:
@@ -547,24 +584,22 @@ def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mod
     return ex, x.new_empty((n,), dtype=torch.int32), x.new_empty(tshape, dtype=torch.int64)
 
 
-@torch.library.custom_op("moegrad::moe_init_routing_grad", mutates_args=())
+@_op("moegrad::moe_init_routing_grad")
 def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
                           drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
-    op = "moe_init_routing_grad"
     if grad_expanded_x.is_cuda:
         # ---- CUDA backend: no CUDA kernel yet; computed on the CPU (docs/cuda.md) ----
         return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
                                      drop_pad_mode, active_num).to(grad_expanded_x.device)
-    g = grad_expanded_x.contiguous()
-    idx = _index32(expanded_row_idx, op, "expanded_row_idx", ERR_FINALIZE_ROUTING)
-    (sx,) = _C.infer_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num)
-    gx = _empty(sx, g.dtype, g)
-    _C.moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num, gx)
+    g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
+    (gx,) = _execute(_C.plan_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num), g)
     return gx
 
 
 @moe_init_routing_grad.register_fake
 def _(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0):
+    _same_device("moe_init_routing_grad", ("grad_expanded_x", grad_expanded_x),
+                 ("expanded_row_idx", expanded_row_idx))
     return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k,
                                       grad_expanded_x.shape[-1]))
 

@@ -668,6 +668,100 @@ def select_cases(args) -> List[Tuple[Case, bool]]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Per-call overhead at T=16 (--overhead)
+# ---------------------------------------------------------------------------------------------
+OVERHEAD_VARIANTS = ("public", "custom_op", "library", "body", "eager")
+_MIRRORS = None
+
+
+def mirror_ops(names: Sequence[str]):
+    """The public ops' bodies registered twice more, in private namespaces: once with
+    torch.library.custom_op, once with torch.library.Library define/impl plus register_fake and
+    register_autograd, so both registration styles are timed side by side on the same code.
+    Returns {name: (custom_op packet, library packet)}."""
+    global _MIRRORS
+    from . import _ops
+    if _MIRRORS is None:
+        _MIRRORS = (torch.library.Library("moegrad_ovh_lib", "DEF"), {})
+    lib, out = _MIRRORS
+    for name in names:
+        if name in out:
+            continue
+        op = getattr(_ops, name)
+        body = getattr(op, "_init_fn", None) or getattr(op, "_body")
+        fake, bwd = op._abstract_fn, op._backward_fn
+        setup = op._setup_context_fn
+        cop = torch.library.custom_op(f"moegrad_ovh_cop::{name}", body, mutates_args=())
+        cop.register_fake(fake)
+        if bwd is not None:
+            cop.register_autograd(bwd, setup_context=setup)
+        lib.define(name + str(op._schema))
+        lib.impl(name, body, "CompositeExplicitAutograd")
+        qual = f"moegrad_ovh_lib::{name}"
+        torch.library.register_fake(qual, fake, lib=lib)
+        if bwd is not None:
+            torch.library.register_autograd(qual, bwd, setup_context=setup, lib=lib)
+        out[name] = (getattr(torch.ops.moegrad_ovh_cop, name),
+                     getattr(torch.ops.moegrad_ovh_lib, name))
+    return out
+
+
+def run_overhead(args) -> int:
+    """Per-call cost of every public op at T=16 (gpt_oss shapes, bf16) against the eager
+    formula, and the two torch.library registration styles on the same body. Warm (one buffer
+    set): at this size the call overhead is a large part of the time. Rounds interleave the
+    variants; each variant's time is the best round's mean, in microseconds."""
+    from . import _ops
+    tokens = args.tokens[0] if args.tokens else 16
+    model = (args.models or ["gpt_oss"])[0]
+    dt = (args.dtypes or ["bf16"])[0]
+    rounds, calls = (2, 5) if args.tiny else (15, 100)
+    ops = [op for op in args.ops if op in OPS]
+    mirrors = mirror_ops(ops)
+    torch.set_num_threads(args.threads)
+    moegrad.set_num_threads(args.threads)
+    print(f"per-call time in us at T={tokens} ({model}, {dt}, {args.threads} threads), best of "
+          f"{rounds} interleaved rounds of {calls} calls; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'op':<28} " + " ".join(f"{v:>10}" for v in OVERHEAD_VARIANTS) + f" {'vs eager':>9}")
+    records = []
+    for op in ops:
+        case = build_case(op, model, dt, tokens)
+        d = case.make(torch.Generator().manual_seed(args.seed))
+        cop, libop = mirrors[op]
+        body = getattr(getattr(_ops, op), "_init_fn")
+        fns = {
+            "public": functools.partial(getattr(moegrad, op), *d.api_args, **d.api_kwargs),
+            "custom_op": functools.partial(cop, *d.api_args, **d.api_kwargs),
+            "library": functools.partial(libop, *d.api_args, **d.api_kwargs),
+            "body": functools.partial(body, *d.api_args, **d.api_kwargs),
+            "eager": functools.partial(getattr(ref, op), *d.ref_args, **d.ref_kwargs),
+        }
+        best = {k: math.inf for k in fns}
+        for f in fns.values():
+            f()  # warm-up (first-call registration work)
+        for _ in range(rounds):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                best[k] = min(best[k], (time.perf_counter() - t0) / calls * 1e6)
+        rec = dict(op=op, model=model, dtype=dt, tokens=tokens, threads=args.threads,
+                   **{f"us_{k}": v for k, v in best.items()},
+                   speedup_eager=best["eager"] / best["public"])
+        records.append(rec)
+        print(f"{op:<28} " + " ".join(f"{best[v]:>10.1f}" for v in OVERHEAD_VARIANTS)
+              + f" {rec['speedup_eager']:>8.2f}x")
+        sys.stdout.flush()
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=dict(mode="overhead", date=datetime.datetime.now().isoformat(
+                timespec="seconds"), torch=torch.__version__, moegrad=moegrad.__version__,
+                loadavg=os.getloadavg()[0]), records=records), f, indent=1)
+    return 0
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m moegrad.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -678,6 +772,9 @@ def parse_args(argv=None):
                    help="measure nothing: load earlier --json files (later files replace the "
                    "same cases of earlier ones) and print / write the table, plot, markdown")
     p.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
+    p.add_argument("--overhead", action="store_true",
+                   help="per-call time of each public op at T=16 (gpt_oss, bf16) against eager, "
+                   "with both torch.library registration styles (custom_op, Library)")
     p.add_argument("--tiny", action="store_true",
                    help="smallest smoke run (T=1,16; bf16; short timing) for tests")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -900,6 +997,13 @@ def main(argv=None) -> int:
         return bench_cuda.main(args)
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
+    if args.overhead:
+        prev = (torch.get_num_threads(), moegrad.get_num_threads())
+        try:
+            return run_overhead(args)
+        finally:
+            torch.set_num_threads(prev[0])
+            moegrad.set_num_threads(prev[1])
     budget = Budget(seconds=args.seconds if args.seconds is not None
                     else (0.03 if args.tiny else 0.1 if args.quick else 0.25))
     if args.tiny:

@@ -416,6 +416,22 @@ NB_MODULE(_C, m) {
           InitRoutingGradAttrs at{top_k, drop_pad_mode, active_num};
           run(plan_moe_init_routing_grad(a(gex), a(idx), at, a(gx)));
         });
+  m.def("plan_moe_init_routing",
+        [](const Opt& x, const Opt& eidx, int64_t active_num, int64_t expert_capacity,
+           int64_t expert_num, int64_t drop_pad_mode, int64_t tokens_type, bool tokens_flag,
+           bool has_range, int64_t start, int64_t end, int64_t row_idx_type) {
+          Args a;
+          InitRoutingAttrs at{active_num, expert_capacity, expert_num, drop_pad_mode,
+                              tokens_type, tokens_flag, has_range, start, end, row_idx_type};
+          return planned(prepare_moe_init_routing(a(x), a(eidx), at));
+        });
+  m.def("plan_moe_init_routing_grad",
+        [](const Opt& gex, const Opt& idx, int64_t top_k, int64_t drop_pad_mode,
+           int64_t active_num) {
+          Args a;
+          InitRoutingGradAttrs at{top_k, drop_pad_mode, active_num};
+          return planned(prepare_moe_init_routing_grad(a(gex), a(idx), at));
+        });
   m.def("infer_moe_init_routing_grad",
         [](const Opt& gex, const Opt& idx, int64_t top_k, int64_t drop_pad_mode,
            int64_t active_num) -> Shapes {

@@ -1,8 +1,5 @@
 // Tensor handles, executor registry and error slot of the C API.
 #include "core/acl_api.h"
-#ifdef MOEGRAD_WITH_CUDA
-#include "core/cuda_backend.h"
-#endif
 
 #include <limits>
 #include <mutex>
@@ -10,6 +7,10 @@
 #include <unordered_set>
 
 #include "core/check.h"
+
+#if defined(MOEGRAD_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 struct aclOpExecutor {
   moegrad::ExecutorPtr impl;
@@ -69,6 +70,29 @@ DType dtype_from_acl(aclDataType t) {
     // name the dtype seen; no operator accepts them.
     default: return static_cast<int32_t>(t) >= 0 ? static_cast<DType>(t) : DType::kOther;
   }
+}
+
+// Where a tensor's memory lives. A CUDA build asks the runtime, so ported aclnn code can pass
+// device pointers: device and managed memory give a CUDA view on the owning device (managed
+// memory runs on the GPU, where the caller's stream orders it). Host memory, pinned or not, and
+// every pointer of a CPU-only build give a CPU view.
+void locate(moegrad::TensorView& v, const void* data) {
+  v.device = moegrad::Device::kCPU;
+  v.device_id = 0;
+#if defined(MOEGRAD_WITH_CUDA)
+  if (data == nullptr) return;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, data) != cudaSuccess) {
+    (void)cudaGetLastError();  // an unregistered host pointer is not an error here
+    return;
+  }
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
+    v.device = moegrad::Device::kCUDA;
+    v.device_id = attr.device;
+  }
+#else
+  (void)data;
+#endif
 }
 
 int64_t element_size(aclDataType t) {
@@ -177,14 +201,7 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
                       offset));
     }
     v.data = tensorData ? static_cast<char*>(tensorData) + offset * esize : nullptr;
-    v.device = moegrad::Device::kCPU;
-#ifdef MOEGRAD_WITH_CUDA
-    const int dev = moegrad::cuda_pointer_device(tensorData);  // device memory: a CUDA view
-    if (dev >= 0) {
-      v.device = moegrad::Device::kCUDA;
-      v.device_id = dev;
-    }
-#endif
+    moegrad::locate(v, tensorData);
     out = t.release();
   });
   return st == ACLNN_SUCCESS ? out : nullptr;

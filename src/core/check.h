@@ -71,6 +71,16 @@ class Validator {
   void check_shape(bool ok, const char* arg, const std::string& rule) const {
     if (!ok) fail(shape_code_, arg, rule);
   }
+  // Lazy forms: the rule's parts are only formatted when the check fails. Validation runs on
+  // every call, and formatting each message up front cost more than the checks themselves.
+  template <typename... Parts>
+  void check(bool ok, int32_t code, const char* arg, const Parts&... rule) const {
+    if (!ok) fail(code, arg, cat(rule...));
+  }
+  template <typename... Parts>
+  void check_shape(bool ok, const char* arg, const Parts&... rule) const {
+    if (!ok) fail(shape_code_, arg, cat(rule...));
+  }
 
   // 161001 when a required tensor is null.
   void present(const TensorView* t, const char* arg) const;
@@ -89,6 +99,9 @@ class Validator {
   void rank_in(const TensorView& t, const char* arg, int lo, int hi) const;
   // Shape code unless t.shape[d] == want.
   void dim(const TensorView& t, const char* arg, int d, int64_t want, const std::string& what) const;
+  void dim(const TensorView& t, const char* arg, int d, int64_t want, const char* what) const {
+    if (t.shape[d] != want) dim(t, arg, d, want, std::string(what));
+  }
   // Shape code unless t has exactly `want` as shape.
   void shape(const TensorView& t, const char* arg, const Shape& want) const;
 

@@ -39,7 +39,9 @@ MOEGRAD_HD float bf16_bits_to_f32(uint16_t b) { return float_of(static_cast<uint
 
 MOEGRAD_HD uint16_t f32_to_bf16_bits(float v) {
   uint32_t u = bits_of(v);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays a quiet NaN
+  }
   u += 0x7fffu + ((u >> 16) & 1u);  // ties to even; overflow carries into inf
   return static_cast<uint16_t>(u >> 16);
 }

@@ -283,8 +283,9 @@ void bind_output(const PlanBase& p, size_t i, const TensorView* t, TensorView& s
                                       dtype_name(t->dtype)));
   }
   if (!t->is_contiguous()) {
-    throw Error(kErrParamInvalid,
-                cat(p.op, ": ", name, ": tensor must be contiguous (row-major); got a strided view"));
+    throw Error(kErrParamInvalid, cat(p.op, ": ", name,
+                                      ": tensor must be contiguous (row-major); got a strided "
+                                      "view"));
   }
   if (t->device != p.device || (p.device == Device::kCUDA && t->device_id != p.device_id)) {
     throw Error(kErrParamInvalid, cat(p.op, ": ", name, ": tensor must be on the planned device (",

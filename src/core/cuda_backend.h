@@ -10,10 +10,6 @@ namespace moegrad {
 // price of one host synchronisation per call (docs/decisions.md L46). Read at planning time.
 bool strict_indices();
 
-// The CUDA device holding `ptr` (device or managed memory), or -1 for host memory and whenever
-// the runtime cannot tell (no driver, no GPU). Used by aclCreateTensor in CUDA builds.
-int cuda_pointer_device(const void* ptr);
-
 }  // namespace moegrad
 
 #endif  // MOEGRAD_CORE_CUDA_BACKEND_H_

@@ -14,17 +14,6 @@ bool strict_indices() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-int cuda_pointer_device(const void* ptr) {
-  if (ptr == nullptr) return -1;
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
-    cudaGetLastError();  // not sticky: clear it so that no later launch check reports it
-    return -1;
-  }
-  const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
-  return on_device ? attr.device : -1;
-}
-
 namespace cuda {
 
 void throw_cuda(const char* op, const char* what, cudaError_t err) {

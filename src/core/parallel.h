@@ -18,7 +18,9 @@ int effective_threads();
 // any SIMD target: chunk buffers are padded to whole vectors (padded_max bounds every target).
 constexpr int64_t kRowChunk = 2048;
 constexpr int64_t kMaxFloatLanes = 64;
-inline int64_t padded_max(int64_t n) { return (n + kMaxFloatLanes - 1) / kMaxFloatLanes * kMaxFloatLanes; }
+inline int64_t padded_max(int64_t n) {
+  return (n + kMaxFloatLanes - 1) / kMaxFloatLanes * kMaxFloatLanes;
+}
 
 // Stage one: the threads a loop over n rows with chunks of >= `grain` rows will use (0 for no
 // rows). Stored in the plan and handed to parallel_rows, so per-thread scratch can be sized.

@@ -126,6 +126,18 @@ TEST(Backend, FakeDeviceFailsInCStageOne) {
   }
 }
 
+// aclCreateTensor places host memory on the CPU (a CUDA build asks the runtime where a pointer
+// lives; host memory stays a CPU view there too).
+TEST(Backend, HostPointersMakeCpuViews) {
+  std::vector<float> x(6);
+  const int64_t d[1] = {6};
+  aclTensor* t = aclCreateTensor(d, 1, ACL_FLOAT, nullptr, 0, ACL_FORMAT_ND, d, 1, x.data());
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->view.device, Device::kCPU);
+  EXPECT_EQ(t->view.device_id, 0);
+  aclDestroyTensor(t);
+}
+
 // ---- workspace --------------------------------------------------------------------------
 
 TEST(Workspace, SmallerWorkspaceIsRefusedAndNothingWritten) {

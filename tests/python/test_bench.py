@@ -287,3 +287,21 @@ def test_from_json_merges_runs_and_writes_markdown(tmp_path):
     assert "| swiglu_group | gpt_oss | bf16 | 256 |" in text and "2026-01-02" in text
     pb.write_text(json.dumps(dict(b, records=[_fake_record("swiglu_group", 16, 1.0, "MISMATCH")])))
     assert bench.main(["--from-json", f"{pa},{pb}"]) == 1
+
+
+def test_bench_overhead_mode_records_every_op(tmp_path, seed):
+    """--overhead times every public op at T=16 with both registration styles and eager; the
+    records carry each variant (no timing is asserted)."""
+    out_json = tmp_path / "overhead.json"
+    threads_before = torch.get_num_threads()
+    rc = bench.main(["--overhead", "--tiny", "--threads", "1", "--seed", str(seed),
+                     "--json", str(out_json)])
+    assert rc == 0
+    assert torch.get_num_threads() == threads_before, "bench must restore torch's threads"
+    doc = json.loads(out_json.read_text())
+    assert doc["meta"]["mode"] == "overhead"
+    assert {r["op"] for r in doc["records"]} == set(bench.OPS)
+    for r in doc["records"]:
+        assert r["tokens"] == 16 and r["model"] == "gpt_oss"
+        for v in bench.OVERHEAD_VARIANTS:
+            assert math.isfinite(r[f"us_{v}"]) and r[f"us_{v}"] > 0, (r["op"], v)

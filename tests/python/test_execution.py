@@ -1,6 +1,6 @@
 """The execution path of the Python front (docs/architecture.md): one native plan call and one
 run call per op, the device checked in stage one, the workspace size honoured, int64 indices
-passed to C++ without any host read of their values (docs/decisions.md D20, L13-L18)."""
+passed to C++ without any host read of their values (docs/decisions.md D20, L13-L19)."""
 
 from __future__ import annotations
 

@@ -360,7 +360,9 @@ GRAD_RULES = [
     ("grad null", dict(g=None), ERR_NULL, "grad_expanded_x"),
     ("idx null", dict(idx=None), ERR_NULL, "expanded_row_idx"),
     ("grad int", dict(g=torch.ones(6, 2, dtype=torch.int32)), ERR_PARAM, "grad_expanded_x"),
-    ("idx int64", dict(idx=IDX6.long()), ERR_PARAM, "expanded_row_idx"),
+    ("idx float", dict(idx=IDX6.float()), ERR_PARAM, "expanded_row_idx"),
+    ("idx int64 past int32", dict(idx=torch.tensor([4, 1, 2, 0, 2**33, 3])), ERR_SHAPE,
+     "expanded_row_idx"),
     ("grad non-contiguous", dict(g=torch.randn(2, 6).t()), ERR_PARAM, "grad_expanded_x"),
     ("out dtype", dict(out=torch.empty(3, 2, dtype=torch.float16)), ERR_PARAM, "grad_x"),
     ("mode 2", dict(mode=2), ERR_SHAPE, "drop_pad_mode"),
@@ -400,6 +402,26 @@ def test_grad_validation(name, over, code, arg):
     assert ei.value.code == code, str(ei.value)
     assert_names_one_of(str(ei.value), arg)
     assert torch.equal(snapshot(out), before), "output written"
+
+
+def test_int64_indices_match_int32(rng):
+    """int64 expert ids and indices are taken as they are (no host-side narrowing, D20)."""
+    x = randn((19, 6), torch.bfloat16, rng)
+    e32 = rand_expert_idx(19, 3, 8, rng)
+    for kw in (dict(expert_num=8), dict(expert_num=8, active_expert_range=[2, 7]),
+               dict(expert_num=8, drop_pad_mode=1, expert_capacity=5)):
+        a = moegrad.moe_init_routing(x, e32, **kw)
+        b = moegrad.moe_init_routing(x, e32.long(), **kw)
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+        g = randn(tuple(a[0].shape), torch.bfloat16, rng)
+        mode = kw.get("drop_pad_mode", 0)
+        assert torch.equal(moegrad.moe_init_routing_grad(g, a[1], 3, mode),
+                           moegrad.moe_init_routing_grad(g, a[1].long(), 3, mode))
+    with pytest.raises(moegrad.MoeError) as ei:
+        moegrad.moe_init_routing(x, e32.long() + 2**32, expert_num=8,
+                                 active_expert_range=[0, 8])
+    assert ei.value.code == ERR_SHAPE
 
 
 def test_grad_active_larger_than_slots():

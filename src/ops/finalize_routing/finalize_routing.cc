@@ -61,11 +61,11 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   // Shapes and attributes: 561103.
   const int64_t mode = a.drop_pad_mode;
   v.check_shape(mode >= 0 && mode <= 3, "drop_pad_mode",
-                cat("must be 0, 1 (column layout) or 2, 3 (row layout); got ", mode));
+                "must be 0, 1 (column layout) or 2, 3 (row layout); got ", mode);
   const bool drop_pad = mode == 1 || mode == 3;
   v.rank(*ex, "expanded_x", drop_pad ? 3 : 2);
   const int64_t H = ex->shape[ex->ndim - 1];
-  v.check_shape(H >= 1, "expanded_x", cat("hidden size H (last dim) must be >= 1; got ", H));
+  v.check_shape(H >= 1, "expanded_x", "hidden size H (last dim) must be >= 1; got ", H);
   v.rank(*idx, "expanded_row_idx", 1);
   v.check_shape(!x2 || x1, "x2", "x2 requires x1; got x2 without x1");
   v.check_shape(!bias || eidx, "expert_idx", "expert_idx is required when bias is given; got null");
@@ -79,7 +79,7 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   // must agree, and the odd one out is named (L50). k (Python only) must be >= 1 and, unless left
   // at its default of 1, agree with the tensors (L51).
   const int64_t n_idx = idx->shape[0];
-  if (!with_outputs) v.check_shape(k_hint >= 1, "k", cat("must be >= 1; got ", k_hint));
+  if (!with_outputs) v.check_shape(k_hint >= 1, "k", "must be >= 1; got ", k_hint);
   const bool k_given = !with_outputs && k_hint != 1;
   std::vector<Claim> r_claims;
   for (auto [t, name] : {std::pair{scales, "scales"}, {eidx, "expert_idx"}, {x1, "x1"}, {x2, "x2"}}) {
@@ -91,7 +91,7 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
     R = v.agree("token count R", r_claims);
   } else {
     v.check_shape(n_idx % k_hint == 0, "k",
-                  cat("must divide the length of expanded_row_idx (", n_idx, "); got ", k_hint));
+                  "must divide the length of expanded_row_idx (", n_idx, "); got ", k_hint);
     R = n_idx / k_hint;
   }
   int64_t K;
@@ -102,17 +102,17 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
     K = v.agree("top-k K", k_claims);
   } else if (R > 0) {
     v.check_shape(n_idx % R == 0, "expanded_row_idx",
-                  cat("length must be a multiple of the token count R (", R, "); got ", n_idx));
+                  "length must be a multiple of the token count R (", R, "); got ", n_idx);
     K = n_idx / R;
   } else {
     K = k_hint >= 1 ? k_hint : 1;
   }
   const char* k_arg = scales ? "scales" : eidx ? "expert_idx" : "expanded_row_idx";
-  v.check_shape(K >= 1, k_arg, cat("top-k K must be >= 1; got ", K));
+  v.check_shape(K >= 1, k_arg, "top-k K must be >= 1; got ", K);
   if (k_given) {
     v.check_shape(k_hint == K, "k",
-                  cat("must equal the top-k K the tensors give (", K, ", from ", k_arg,
-                      "); got ", k_hint));
+                  "must equal the top-k K the tensors give (", K, ", from ", k_arg,
+                  "); got ", k_hint);
   }
   std::vector<Claim> h_claims{dim_claim(*ex, "expanded_x", -1)};
   for (auto [t, name] : {std::pair{x1, "x1"}, {x2, "x2"}, {bias, "bias"}}) {
@@ -122,13 +122,13 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   v.agree("hidden size H", h_claims);
   const int64_t RK = mul_sat(R, K);
   v.check_shape(n_idx == RK, "expanded_row_idx",
-                cat("length must equal R * K (", R, " * ", K, "); got ", n_idx));
-  if (bias) v.check_shape(bias->shape[0] >= 1, "bias", cat("dim 0 (E) must be >= 1; got ", bias->shape[0]));
+                "length must equal R * K (", R, " * ", K, "); got ", n_idx);
+  if (bias) v.check_shape(bias->shape[0] >= 1, "bias", "dim 0 (E) must be >= 1; got ", bias->shape[0]);
   if (bias && drop_pad) v.dim(*bias, "bias", 0, ex->shape[0], "expanded_x's expert count E");
   if (!drop_pad) {
     // Fewer rows than R*K is an active_num-truncated expanded_x (L5); more is a caller bug.
     v.check_shape(ex->shape[0] <= RK, "expanded_x",
-                  cat("dim 0 must be <= R * K (", RK, ") in dropless modes; got ", ex->shape[0]));
+                  "dim 0 must be <= R * K (", RK, ") in dropless modes; got ", ex->shape[0]);
   }
   if (with_outputs) v.shape(*out, "out", {R, H});
 
@@ -209,14 +209,14 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
 
   const int64_t mode = a.drop_pad_mode;
   v.check_shape(mode == 0 || mode == 1, "drop_pad_mode",
-                cat("must be 0 (dropless) or 1 (drop-pad); got ", mode));
+                "must be 0 (dropless) or 1 (drop-pad); got ", mode);
   if (mode == 1) {
     v.check_shape(a.expert_num > 0, "expert_num",
-                  cat("must be > 0 in drop-pad mode; got ", a.expert_num));
+                  "must be > 0 in drop-pad mode; got ", a.expert_num);
     v.check_shape(a.expert_capacity > 0, "expert_capacity",
-                  cat("must be > 0 in drop-pad mode; got ", a.expert_capacity));
+                  "must be > 0 in drop-pad mode; got ", a.expert_capacity);
   }
-  v.check_shape(a.active_num >= 0, "active_num", cat("must be >= 0; got ", a.active_num));
+  v.check_shape(a.active_num >= 0, "active_num", "must be >= 0; got ", a.active_num);
   v.rank(*gy, "grad_y", 2);
   v.rank(*idx, "expanded_row_idx", 1);
   if (scales) {
@@ -239,19 +239,19 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   if (bias_used) h_claims.push_back(dim_claim(*bias_used, "bias", 1));
   if (with_outputs && gex->ndim >= 1) h_claims.push_back(dim_claim(*gex, "grad_expanded_x", -1));
   const int64_t H = v.agree("hidden size H", h_claims);
-  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.check_shape(H >= 1, "grad_y", "hidden size H (dim 1) must be >= 1; got ", H);
   const int64_t n_idx = idx->shape[0];
   int64_t K = 1;
   if (scales) {
     std::vector<Claim> k_claims{dim_claim(*scales, "scales", 1)};
     if (eidx_used) k_claims.push_back(dim_claim(*eidx_used, "expert_idx", 1));
     K = v.agree("top-k K", k_claims);
-    v.check_shape(K >= 1, "scales", cat("top-k K (dim 1) must be >= 1; got ", K));
+    v.check_shape(K >= 1, "scales", "top-k K (dim 1) must be >= 1; got ", K);
     v.check_shape(n_idx == mul_sat(R, K), "expanded_row_idx",
-                  cat("length must equal R * K (", R, " * ", K, "); got ", n_idx));
+                  "length must equal R * K (", R, " * ", K, "); got ", n_idx);
   } else {
     v.check_shape(n_idx == R, "expanded_row_idx",
-                  cat("length must equal R (", R, ") when scales are absent (K = 1); got ", n_idx));
+                  "length must equal R (", R, ") when scales are absent (K = 1); got ", n_idx);
   }
   const int64_t RK = mul_sat(R, K);
   int64_t rows;
@@ -262,8 +262,8 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   } else {
     rows = mul_sat(a.expert_num, a.expert_capacity);
     v.check_shape(mul_sat(rows, H) < std::numeric_limits<int64_t>::max(), "expert_capacity",
-                  cat("expert_num * expert_capacity * H must fit in int64; got ", a.expert_num,
-                      " * ", a.expert_capacity, " * ", H));
+                  "expert_num * expert_capacity * H must fit in int64; got ", a.expert_num,
+                  " * ", a.expert_capacity, " * ", H);
     gex_shape = {a.expert_num, a.expert_capacity, H};
   }
   if (ex_used) {
@@ -271,13 +271,13 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
       v.dim(*ex_used, "expanded_x", 0, rows, "the expanded row count (R * K or active_num)");
     } else {
       v.check_shape(mul_sat(ex_used->shape[0], ex_used->shape[1]) == rows, "expanded_x",
-                    cat("dims 0 and 1 must multiply to expert_num * expert_capacity (", rows,
-                        "); got ", shape_str(*ex_used)));
+                    "dims 0 and 1 must multiply to expert_num * expert_capacity (", rows,
+                    "); got ", shape_str(*ex_used));
     }
   }
   if (bias_used) {
     v.check_shape(bias_used->shape[0] >= 1, "bias",
-                  cat("dim 0 (E) must be >= 1; got ", bias_used->shape[0]));
+                  "dim 0 (E) must be >= 1; got ", bias_used->shape[0]);
     if (mode == 1) v.dim(*bias_used, "bias", 0, a.expert_num, "expert_num");
   }
   const Shape gs_shape = {R, K};
@@ -288,8 +288,8 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
       v.rank(*gex, "grad_expanded_x", 3);
       v.check_shape(mul_sat(gex->shape[0], gex->shape[1]) == rows && gex->shape[2] == H,
                     "grad_expanded_x",
-                    cat("shape must be [expert_num, expert_capacity, H] = [", a.expert_num, ", ",
-                        a.expert_capacity, ", ", H, "]; got ", shape_str(*gex)));
+                    "shape must be [expert_num, expert_capacity, H] = [", a.expert_num, ", ",
+                    a.expert_capacity, ", ", H, "]; got ", shape_str(*gex));
     }
     v.shape(*gs, "grad_scales", gs_shape);
   }
@@ -347,13 +347,13 @@ FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
   if (with_outputs) v.contiguous(*gb, "grad_bias");
   v.rank(*gy, "grad_y", 2);
   const int64_t R = gy->shape[0], H = gy->shape[1];
-  v.check_shape(H >= 1, "grad_y", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.check_shape(H >= 1, "grad_y", "hidden size H (dim 1) must be >= 1; got ", H);
   v.rank(*eidx, "expert_idx", 2);
   v.dim(*eidx, "expert_idx", 0, R, "the token count R of grad_y");
   const int64_t K = eidx->shape[1];
-  v.check_shape(K >= 1, "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
+  v.check_shape(K >= 1, "expert_idx", "top-k K (dim 1) must be >= 1; got ", K);
   if (scales) v.shape(*scales, "scales", {R, K});
-  v.check_shape(a.expert_num >= 1, "expert_num", cat("must be >= 1; got ", a.expert_num));
+  v.check_shape(a.expert_num >= 1, "expert_num", "must be >= 1; got ", a.expert_num);
   const int64_t E = a.expert_num;
   if (with_outputs) v.shape(*gb, "grad_bias", {E, H});
   check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, E);

@@ -51,39 +51,39 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
   v.rank(*x, "x", 2);
   const int64_t M = x->shape[0], N = x->shape[1];
   v.check_shape(N >= 1 && N <= kMaxExperts, "x",
-                cat("expert count N (dim 1) must satisfy 1 <= N <= 2048; got ", N));
+                "expert count N (dim 1) must satisfy 1 <= N <= 2048; got ", N);
   if (bias) {
     v.rank(*bias, "bias", 1);
     v.dim(*bias, "bias", 0, N, "the expert count N of x");
   }
-  v.check_shape(a.group_count >= 1, "group_count", cat("must be >= 1; got ", a.group_count));
+  v.check_shape(a.group_count >= 1, "group_count", "must be >= 1; got ", a.group_count);
   v.check_shape(N % a.group_count == 0, "group_count",
-                cat("must divide the expert count N (", N, "); got ", a.group_count));
+                "must divide the expert count N (", N, "); got ", a.group_count);
   const int64_t group_size = N / a.group_count;
   v.check_shape(a.k_group >= 1 && a.k_group <= a.group_count, "k_group",
-                cat("must satisfy 1 <= k_group <= group_count (", a.group_count, "); got ",
-                    a.k_group));
+                "must satisfy 1 <= k_group <= group_count (", a.group_count, "); got ",
+                a.k_group);
   v.check_shape(a.group_select_mode == 0 || a.group_select_mode == 1, "group_select_mode",
-                cat("must be 0 (group max) or 1 (sum of top two); got ", a.group_select_mode));
+                "must be 0 (group max) or 1 (sum of top two); got ", a.group_select_mode);
   v.check_shape(a.group_select_mode == 0 || group_size >= 2, "group_select_mode",
-                cat("group_select_mode 1 needs groups of at least 2 experts (N / group_count = ",
-                    group_size, "); got 1"));
-  v.check_shape(a.k >= 1 && a.k <= N, "k", cat("must satisfy 1 <= k <= N (", N, "); got ", a.k));
+                "group_select_mode 1 needs groups of at least 2 experts (N / group_count = ",
+                group_size, "); got 1");
+  v.check_shape(a.k >= 1 && a.k <= N, "k", "must satisfy 1 <= k <= N (", N, "); got ", a.k);
   v.check_shape(a.k <= a.k_group * group_size, "k",
-                cat("must be <= k_group * N / group_count (", a.k_group * group_size, "); got ",
-                    a.k));
+                "must be <= k_group * N / group_count (", a.k_group * group_size, "); got ",
+                a.k);
   const bool grouped = a.group_count > 1 && a.k_group < a.group_count;
   if (a.group_count != 1 && a.group_count != N && a.k_group != a.group_count) {
     v.check_shape(a.group_count * round_up32(group_size) <= kMaxExperts, "group_count",
-                  cat("group_count * roundup32(N / group_count) must be <= 2048; got ",
-                      a.group_count * round_up32(group_size)));
+                  "group_count * roundup32(N / group_count) must be <= 2048; got ",
+                  a.group_count * round_up32(group_size));
   }
   v.check_shape(a.norm_type >= 0 && a.norm_type <= 2, "norm_type",
-                cat("must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type));
-  v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm", cat("must be 0 or 1; got ", a.renorm));
+                "must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type);
+  v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm", "must be 0 or 1; got ", a.renorm);
   v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
-                cat("must be finite; got ", a.routed_scaling_factor));
-  v.check_shape(std::isfinite(a.eps), "eps", cat("must be finite; got ", a.eps));
+                "must be finite; got ", a.routed_scaling_factor);
+  v.check_shape(std::isfinite(a.eps), "eps", "must be finite; got ", a.eps);
   if (with_outputs) {
     v.shape(*y, "y", {M, a.k});
     v.shape(*expert_idx, "expert_idx", {M, a.k});
@@ -140,26 +140,26 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   v.rank(*expert_idx, "expert_idx", 2);
   const int64_t N = x_norm->shape[1];
   v.check_shape(N >= 2 && N <= kMaxExperts, "x_norm",
-                cat("expert count N (dim 1) must satisfy 2 <= N <= 2048; got ", N));
+                "expert count N (dim 1) must satisfy 2 <= N <= 2048; got ", N);
   // The odd one out is blamed: x_norm with a wrong M is named as x_norm (L50).
   const int64_t M = v.agree("token count M", {dim_claim(*x_norm, "x_norm", 0),
                                               dim_claim(*grad_y, "grad_y", 0),
                                               dim_claim(*expert_idx, "expert_idx", 0)});
   const int64_t K = grad_y->shape[1];
   v.check_shape(K >= 1 && K <= N, "grad_y",
-                cat("top-k K (dim 1) must satisfy 1 <= K <= N (", N, "); got ", K));
+                "top-k K (dim 1) must satisfy 1 <= K <= N (", N, "); got ", K);
   v.agree("top-k K", {dim_claim(*grad_y, "grad_y", 1), dim_claim(*expert_idx, "expert_idx", 1)});
   // D22: every norm type of the forward; renorm only matters (and is checked) for softmax, the
   // sigmoid and sqrt-softplus paths always renormalise and ignore it (L20).
   v.check_shape(a.norm_type >= 0 && a.norm_type <= 2, "norm_type",
-                cat("must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type));
+                "must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type);
   if (a.norm_type == 0) {
     v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm",
-                  cat("must be 0 or 1 with norm_type 0 (softmax); got ", a.renorm));
+                  "must be 0 or 1 with norm_type 0 (softmax); got ", a.renorm);
   }
   v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
-                cat("must be finite; got ", a.routed_scaling_factor));
-  v.check_shape(std::isfinite(a.eps), "eps", cat("must be finite; got ", a.eps));
+                "must be finite; got ", a.routed_scaling_factor);
+  v.check_shape(std::isfinite(a.eps), "eps", "must be finite; got ", a.eps);
   if (with_outputs) {
     v.rank(*grad_x, "grad_x", 2);
     v.shape(*grad_x, "grad_x", {M, N});

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "core/backend.h"
 #include "core/check.h"
 #include "core/executor.h"
 #include "core/host.h"
@@ -15,16 +16,20 @@ namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
-// Largest id of a host int32 tensor (-1 when empty); device tensors report -1.
+// Largest id of a host int32/int64 tensor (-1 when empty); device tensors report -1.
 int64_t host_max(const TensorView& t) {
   if (t.device != Device::kCPU) return -1;
-  const int32_t* p = static_cast<const int32_t*>(t.data);
   int64_t m = -1;
-  for (int64_t i = 0, n = t.numel(); i < n; ++i) m = std::max<int64_t>(m, p[i]);
+  const int64_t n = t.numel();
+  if (t.dtype == DType::kInt64) {
+    const int64_t* p = static_cast<const int64_t*>(t.data);
+    for (int64_t i = 0; i < n; ++i) m = std::max<int64_t>(m, p[i]);
+  } else {
+    const int32_t* p = static_cast<const int32_t*>(t.data);
+    for (int64_t i = 0; i < n; ++i) m = std::max<int64_t>(m, p[i]);
+  }
   return m;
 }
-
-int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
 }  // namespace
 
@@ -41,20 +46,25 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     v.present(idx, "expanded_row_idx");
     if (a.expert_tokens_num_flag) v.present(tokens, "expert_tokens_count_or_cumsum");
   }
-  // Dtypes and layouts: 161002.
+  // Dtypes, device and layouts: 161002.
   v.dtype_in(*x, "x", kFloatTypes);
-  v.same_dtype(*eidx, "expert_idx", DType::kInt32, "int32");
-  const Device dev = x->device;
-  v.layout(*x, "x", dev);
-  v.layout(*eidx, "expert_idx", dev);
+  v.index_dtype(*eidx, "expert_idx");
   const TensorView* tok = a.expert_tokens_num_flag ? tokens : nullptr;
   if (with_outputs) {
     v.same_dtype(*ex, "expanded_x", x->dtype, "x's dtype");
     v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
     if (tok) v.dtype_in(*tok, "expert_tokens_count_or_cumsum", {DType::kInt64, DType::kInt32});
-    v.layout(*ex, "expanded_x", dev);
-    v.layout(*idx, "expanded_row_idx", dev);
-    if (tok) v.layout(*tok, "expert_tokens_count_or_cumsum", dev);
+  }
+  p.backend = select_backend(v, {{"x", x}, {"expert_idx", eidx},
+                                 {"expanded_x", with_outputs ? ex : nullptr},
+                                 {"expanded_row_idx", with_outputs ? idx : nullptr},
+                                 {"expert_tokens_count_or_cumsum", tok}});
+  v.contiguous(*x, "x");
+  v.contiguous(*eidx, "expert_idx");
+  if (with_outputs) {
+    v.contiguous(*ex, "expanded_x");
+    v.contiguous(*idx, "expanded_row_idx");
+    if (tok) v.contiguous(*tok, "expert_tokens_count_or_cumsum");
   }
 
   // Attributes: 561103.
@@ -138,6 +148,11 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   // Expert id values (D28): with a window, ids outside it are excluded, not errors; without one
   // they must lie in [0, E) when E is known, else be >= 0.
   bool window_all = false;
+  if (a.has_range && eidx->dtype == DType::kInt64) {
+    // Ids outside the window are excluded, but int64 ids must still fit the int32 kernels.
+    check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx",
+                      std::numeric_limits<int32_t>::min(), kInt32Max + 1);
+  }
   if (!a.has_range) {
     if (E > 0) {
       check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, E);
@@ -149,6 +164,8 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     }
   }
 
+  p.op = "moe_init_routing";
+  p.shape_code = kErrInnerNullptr;
   p.x = *x;
   p.expert_idx = *eidx;
   if (with_outputs) {
@@ -156,7 +173,14 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     p.expanded_row_idx = *idx;
     if (tok) p.expert_tokens = *tok;
   }
-  p.has_tokens = tok != nullptr;
+  p.has_tokens = a.expert_tokens_num_flag;
+  p.device = x->device;
+  p.device_id = x->device_id;
+  p.bound = with_outputs;
+  p.add_output("expanded_x", ex_shape, x->dtype);
+  p.add_output("expanded_row_idx", {N}, DType::kInt32);
+  p.add_output("expert_tokens_count_or_cumsum", tok_shape,
+               tok ? tok->dtype : DType::kInt64, !a.expert_tokens_num_flag);
   p.R = R;
   p.K = K;
   p.H = H;
@@ -178,9 +202,6 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, 4 * N / counted_bins));
   }
   p.chunks = chunks;
-  p.starts_offset = static_cast<uint64_t>(align64(N * 4));
-  p.hist_offset = p.starts_offset + static_cast<uint64_t>(align64((counted_bins + 1) * 4));
-  p.workspace_bytes = p.hist_offset + static_cast<uint64_t>(chunks * (counted_bins + 1) * 4);
   return p;
 }
 
@@ -193,12 +214,13 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
   v.present(idx, "expanded_row_idx");
   if (with_outputs) v.present(gx, "grad_x");
   v.dtype_in(*gex, "grad_expanded_x", kFloatTypes);
-  v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
+  v.index_dtype(*idx, "expanded_row_idx");
   if (with_outputs) v.same_dtype(*gx, "grad_x", gex->dtype, "grad_expanded_x's dtype");
-  const Device dev = gex->device;
-  v.layout(*gex, "grad_expanded_x", dev);
-  v.layout(*idx, "expanded_row_idx", dev);
-  if (with_outputs) v.layout(*gx, "grad_x", dev);
+  p.backend = select_backend(v, {{"grad_expanded_x", gex}, {"expanded_row_idx", idx},
+                                 {"grad_x", with_outputs ? gx : nullptr}});
+  v.contiguous(*gex, "grad_expanded_x");
+  v.contiguous(*idx, "expanded_row_idx");
+  if (with_outputs) v.contiguous(*gx, "grad_x");
 
   const int64_t mode = a.drop_pad_mode;
   v.check_shape(mode == 0 || mode == 1, "drop_pad_mode",
@@ -229,9 +251,15 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
   check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", -1, limit);
   check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", limit);
 
+  p.op = "moe_init_routing_grad";
+  p.shape_code = kErrInnerNullptr;
   p.grad_expanded_x = *gex;
   p.expanded_row_idx = *idx;
   if (with_outputs) p.grad_x = *gx;
+  p.device = gex->device;
+  p.device_id = gex->device_id;
+  p.bound = with_outputs;
+  p.add_output("grad_x", {R, H}, gex->dtype);
   p.R = R;
   p.K = K;
   p.H = H;
@@ -239,36 +267,32 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
   return p;
 }
 
-void run_plan(const InitRoutingPlan& plan, void* workspace, void*) {
-  require_cpu(plan.op, plan.x);
-  advise_output(plan.expanded_x);
-  init_routing_cpu(plan, workspace);
-}
-
-void run_plan(const InitRoutingGradPlan& plan, void*, void*) {
-  require_cpu(plan.op, plan.grad_expanded_x);
-  advise_output(plan.grad_x);
-  init_routing_grad_cpu(plan);
-}
+namespace {
+const KernelTable<InitRoutingPlan> kForward = {{init_routing_cpu_size, init_routing_cpu}, {}};
+const KernelTable<InitRoutingGradPlan> kGrad = {{init_routing_grad_cpu_size,
+                                                 init_routing_grad_cpu}, {}};
+}  // namespace
 
 ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
                                   const InitRoutingAttrs& attrs, const TensorView* expanded_x,
                                   const TensorView* expanded_row_idx,
                                   const TensorView* expert_tokens) {
   return make_executor(validate_init_routing(x, expert_idx, attrs, expanded_x, expanded_row_idx,
-                                             expert_tokens, true));
+                                             expert_tokens, true),
+                       kForward);
+}
+
+ExecutorPtr prepare_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
+                                     const InitRoutingAttrs& attrs) {
+  return make_executor(
+      validate_init_routing(x, expert_idx, attrs, nullptr, nullptr, nullptr, false), kForward);
 }
 
 std::vector<Shape> infer_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
                                           const InitRoutingAttrs& attrs) {
   InitRoutingPlan p =
       validate_init_routing(x, expert_idx, attrs, nullptr, nullptr, nullptr, false);
-  Shape ex = p.mode == 0 ? Shape{p.rows, p.H} : Shape{p.expert_num, p.capacity, p.H};
-  Shape tok = {0};
-  if (attrs.expert_tokens_num_flag) {
-    tok = p.token_type == 2 ? Shape{p.expert_num, 2} : Shape{p.hi - p.lo};
-  }
-  return {ex, {p.R * p.K}, tok};
+  return {p.outputs[0].shape, p.outputs[1].shape, p.outputs[2].shape};
 }
 
 ExecutorPtr plan_moe_init_routing_grad(const TensorView* grad_expanded_x,
@@ -276,7 +300,15 @@ ExecutorPtr plan_moe_init_routing_grad(const TensorView* grad_expanded_x,
                                        const InitRoutingGradAttrs& attrs,
                                        const TensorView* grad_x) {
   return make_executor(
-      validate_init_routing_grad(grad_expanded_x, expanded_row_idx, attrs, grad_x, true));
+      validate_init_routing_grad(grad_expanded_x, expanded_row_idx, attrs, grad_x, true), kGrad);
+}
+
+ExecutorPtr prepare_moe_init_routing_grad(const TensorView* grad_expanded_x,
+                                          const TensorView* expanded_row_idx,
+                                          const InitRoutingGradAttrs& attrs) {
+  return make_executor(
+      validate_init_routing_grad(grad_expanded_x, expanded_row_idx, attrs, nullptr, false),
+      kGrad);
 }
 
 std::vector<Shape> infer_moe_init_routing_grad(const TensorView* grad_expanded_x,
@@ -284,7 +316,7 @@ std::vector<Shape> infer_moe_init_routing_grad(const TensorView* grad_expanded_x
                                                const InitRoutingGradAttrs& attrs) {
   InitRoutingGradPlan p =
       validate_init_routing_grad(grad_expanded_x, expanded_row_idx, attrs, nullptr, false);
-  return {{p.R, p.H}};
+  return {p.outputs[0].shape};
 }
 
 }  // namespace moegrad

@@ -3,13 +3,14 @@
 #ifndef MOEGRAD_OPS_INIT_ROUTING_H_
 #define MOEGRAD_OPS_INIT_ROUTING_H_
 
+#include <array>
+
+#include "core/executor.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
 
-struct InitRoutingPlan {
-  const char* op = "moe_init_routing";
-  uint64_t workspace_bytes = 0;
+struct InitRoutingPlan : PlanBase {
   TensorView x, expert_idx, expanded_x, expanded_row_idx, expert_tokens;
   bool has_tokens = false;
   int64_t R = 0, K = 0, H = 0;
@@ -21,20 +22,24 @@ struct InitRoutingPlan {
   bool window_all = false;   // no window and E unknown: every id >= 0 is in (hi from the data)
   int64_t token_type = 1;    // 0 cumsum, 1 count, 2 key-value
   int64_t row_idx_type = 0;
-  int64_t chunks = 1;        // slot chunks of the parallel counting sort (fixed at plan time)
+  int64_t chunks = 1;        // slot chunks of the parallel counting sort (fixed in stage one)
   bool comparison_sort = false;  // ids too sparse for a counting sort (window_all only)
-  // Workspace layout (bytes from the start): sorted slots [N] int32, expert starts [bins + 1]
-  // int32, then chunk histograms [chunks, bins + 1] int32 (the last column counts the slots
-  // outside the window).
-  uint64_t starts_offset = 0, hist_offset = 0;
+  int sort_threads = 1;      // threads of the per-chunk loops (plan.threads: the row copies)
+  // Workspace: int64 expert ids narrowed to int32; sorted slots [N] int32 (dst -> src); expert
+  // starts [bins + 1] int32; chunk histograms [chunks, bins + 1] int32 (the last column counts
+  // the slots outside the window).
+  Slot ws_eidx, ws_sorted, ws_starts, ws_hist;
+  std::array<TensorView*, 3> output_views() {
+    return {&expanded_x, &expanded_row_idx, &expert_tokens};
+  }
 };
 
-struct InitRoutingGradPlan {
-  const char* op = "moe_init_routing_grad";
-  uint64_t workspace_bytes = 0;
+struct InitRoutingGradPlan : PlanBase {
   TensorView grad_expanded_x, expanded_row_idx, grad_x;
   int64_t R = 0, K = 0, H = 0;
   int64_t rows = 0;  // valid expanded rows: d in [0, rows) is read, anything else skipped
+  Slot ws_idx;       // int64 indices narrowed to int32
+  std::array<TensorView*, 1> output_views() { return {&grad_x}; }
 };
 
 InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* expert_idx,
@@ -46,11 +51,11 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* grad_expanded_x
                                                const InitRoutingGradAttrs& attrs,
                                                const TensorView* grad_x, bool with_outputs);
 
-void run_plan(const InitRoutingPlan& plan, void* workspace, void* stream);
-void run_plan(const InitRoutingGradPlan& plan, void* workspace, void* stream);
-
-void init_routing_cpu(const InitRoutingPlan& plan, void* workspace);
-void init_routing_grad_cpu(const InitRoutingGradPlan& plan);
+// CPU kernels (init_routing_cpu.cc): workspace sizing (stage one) and run (stage two).
+void init_routing_cpu_size(InitRoutingPlan& plan, WorkspaceLayout& layout);
+void init_routing_cpu(const InitRoutingPlan& plan, const Workspace& ws, void* stream);
+void init_routing_grad_cpu_size(InitRoutingGradPlan& plan, WorkspaceLayout& layout);
+void init_routing_grad_cpu(const InitRoutingGradPlan& plan, const Workspace& ws, void* stream);
 
 }  // namespace moegrad
 

@@ -34,6 +34,7 @@ aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
     v.present(view_of(expertIdx), "expert_idx");
     v.present(view_of(expandedXOut), "expanded_x");
     v.present(view_of(expandedRowIdxOut), "expanded_row_idx");
+    require_index32("moe_init_routing", view_of(expertIdx), "expert_idx");
     v.check_shape(activeNum >= 0, "active_num", cat("must be >= 0; got ", activeNum));
     v.check_shape(expertCapacity >= 0, "expert_capacity",
                   cat("must be >= 0; got ", expertCapacity));
@@ -87,6 +88,7 @@ aclnnStatus aclnnMoeInitRoutingV3GetWorkspaceSize(
     v.present(view_of(expertIdx), "expert_idx");
     v.present(view_of(expandedXOut), "expanded_x");
     v.present(view_of(expandedRowIdxOut), "expanded_row_idx");
+    require_index32("moe_init_routing", view_of(expertIdx), "expert_idx");
     // No quantisation in this release (D25).
     v.check(quantMode == -1, kErrParamInvalid, "quant_mode",
             cat("only -1 (no quantisation) is supported; got ", quantMode));
@@ -132,6 +134,7 @@ aclnnStatus aclnnMoeInitRoutingV2GradGetWorkspaceSize(
     int64_t dropPadMode, int64_t activeNum, const aclTensor* out, uint64_t* workspaceSize,
     aclOpExecutor** executor) {
   return stage_one("moe_init_routing_grad", workspaceSize, executor, [&] {
+    require_index32("moe_init_routing_grad", view_of(expandedRowIdx), "expanded_row_idx");
     InitRoutingGradAttrs a{topK, dropPadMode, activeNum};
     return plan_moe_init_routing_grad(view_of(gradExpandedX), view_of(expandedRowIdx), a,
                                       view_of(out));

@@ -15,6 +15,7 @@
 #include <numeric>
 
 #include "core/dtype.h"
+#include "core/host.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
 #include "hwy/highway.h"
@@ -25,13 +26,10 @@ namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
-int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
-
 template <typename T>
-void grad_rows(const InitRoutingGradPlan& p, int64_t begin, int64_t end) {
+void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, int64_t end) {
   const int64_t K = p.K, H = p.H, rows = p.rows;
   const T* g = typed<T>(p.grad_expanded_x);
-  const int32_t* idx = typed<int32_t>(p.expanded_row_idx);
   T* out = typed<T>(p.grad_x);
   HWY_ALIGN float acc[kChunk];
   for (int64_t r = begin; r < end; ++r) {
@@ -51,11 +49,12 @@ void grad_rows(const InitRoutingGradPlan& p, int64_t begin, int64_t end) {
 
 }  // namespace
 
-void InitRoutingBackward(const InitRoutingGradPlan& p) {
+void InitRoutingBackward(const InitRoutingGradPlan& p, const Workspace& ws) {
+  const int32_t* idx = index32(p.expanded_row_idx, ws.get<int32_t>(p.ws_idx));
   dispatch_float(p.grad_expanded_x.dtype, "grad_expanded_x", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    parallel_for(p.R, grain_rows(p.H * p.K),
-                 [&](int64_t b, int64_t e) { grad_rows<T>(p, b, e); });
+    parallel_rows(p.R, p.threads,
+                  [&](int, int64_t b, int64_t e) { grad_rows<T>(p, idx, b, e); });
   });
 }
 
@@ -67,13 +66,19 @@ HWY_AFTER_NAMESPACE();
 namespace moegrad {
 HWY_EXPORT(InitRoutingBackward);
 
-void init_routing_grad_cpu(const InitRoutingGradPlan& plan) {
-  HWY_DYNAMIC_DISPATCH(InitRoutingBackward)(plan);
+int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
+
+void init_routing_grad_cpu_size(InitRoutingGradPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.R, grain(p.H * p.K));
+  p.ws_idx = index_scratch(layout, p.expanded_row_idx);
+}
+
+void init_routing_grad_cpu(const InitRoutingGradPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.grad_x);
+  HWY_DYNAMIC_DISPATCH(InitRoutingBackward)(plan, ws);
 }
 
 namespace {
-
-int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 
 template <typename C>
 void write_tokens(const InitRoutingPlan& p, const int32_t* starts, int64_t bins, int64_t n_act) {
@@ -103,15 +108,26 @@ void write_tokens(const InitRoutingPlan& p, const int32_t* starts, int64_t bins,
 
 }  // namespace
 
-void init_routing_cpu(const InitRoutingPlan& p, void* workspace) {
+void init_routing_cpu_size(InitRoutingPlan& p, WorkspaceLayout& layout) {
+  const int64_t N = p.R * p.K;
+  const int64_t bins = p.comparison_sort ? 0 : std::max<int64_t>(p.hi - p.lo, 0);
+  p.threads = plan_threads(p.rows, grain(p.H));
+  p.sort_threads = plan_threads(p.chunks, 1);
+  p.ws_eidx = index_scratch(layout, p.expert_idx);
+  p.ws_sorted = layout.add<int32_t>(N);
+  p.ws_starts = layout.add<int32_t>(bins + 1);
+  p.ws_hist = layout.add<int32_t>(p.chunks * (bins + 1));
+}
+
+void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
+  advise_output(p.expanded_x);
   const int64_t K = p.K, H = p.H, N = p.R * p.K;
-  const int32_t* e = static_cast<const int32_t*>(p.expert_idx.data);
+  const int32_t* e = index32(p.expert_idx, ws.get<int32_t>(p.ws_eidx));
   int32_t* idx = static_cast<int32_t*>(p.expanded_row_idx.data);
-  unsigned char* ws = static_cast<unsigned char*>(workspace);
-  int32_t* sorted = reinterpret_cast<int32_t*>(ws);  // dst -> src for the in-window slots
+  int32_t* sorted = ws.get<int32_t>(p.ws_sorted);  // dst -> src for the in-window slots
   const int64_t lo = p.lo, hi = p.hi;
   const int64_t bins = p.comparison_sort ? 0 : std::max<int64_t>(hi - lo, 0);
-  int32_t* starts = reinterpret_cast<int32_t*>(ws + p.starts_offset);
+  int32_t* starts = ws.get<int32_t>(p.ws_starts);
   int64_t n_act = 0;
 
   if (p.comparison_sort) {
@@ -120,15 +136,13 @@ void init_routing_cpu(const InitRoutingPlan& p, void* workspace) {
     std::stable_sort(sorted, sorted + N, [&](int32_t a, int32_t b) { return e[a] < e[b]; });
     n_act = N;
     if (p.row_idx_type == 0) {
-      parallel_for(N, 4096, [&](int64_t b0, int64_t b1) {
-        for (int64_t d = b0; d < b1; ++d) idx[sorted[d]] = static_cast<int32_t>(d);
-      });
+      for (int64_t d = 0; d < N; ++d) idx[sorted[d]] = static_cast<int32_t>(d);
     }
   } else {
     const int64_t C = p.chunks, W = bins + 1;
-    int32_t* hist = reinterpret_cast<int32_t*>(ws + p.hist_offset);
+    int32_t* hist = ws.get<int32_t>(p.ws_hist);
     auto chunk_begin = [&](int64_t c) { return N * c / C; };
-    parallel_for(C, 1, [&](int64_t c0, int64_t c1) {
+    parallel_rows(C, p.sort_threads, [&](int, int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         int32_t* h = hist + c * W;
         std::fill(h, h + W, 0);
@@ -152,7 +166,7 @@ void init_routing_cpu(const InitRoutingPlan& p, void* workspace) {
     const bool drop_pad = p.mode == 1;
     const int64_t cap = p.capacity;
     const bool gather = p.row_idx_type == 0;
-    parallel_for(C, 1, [&](int64_t c0, int64_t c1) {
+    parallel_rows(C, p.sort_threads, [&](int, int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         int32_t* h = hist + c * W;
         for (int64_t s = chunk_begin(c), s1 = chunk_begin(c + 1); s < s1; ++s) {
@@ -194,7 +208,7 @@ void init_routing_cpu(const InitRoutingPlan& p, void* workspace) {
   const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
   unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
   if (p.mode == 0) {
-    parallel_for(p.rows, grain(H), [&](int64_t d0, int64_t d1) {
+    parallel_rows(p.rows, p.threads, [&](int, int64_t d0, int64_t d1) {
       for (int64_t d = d0; d < d1; ++d) {
         if (d < n_act) {
           std::memcpy(ex + d * rb, x + static_cast<int64_t>(sorted[d] / K) * rb, rb);
@@ -205,7 +219,7 @@ void init_routing_cpu(const InitRoutingPlan& p, void* workspace) {
     });
   } else {
     const int64_t cap = p.capacity;
-    parallel_for(p.rows, grain(H), [&](int64_t j0, int64_t j1) {
+    parallel_rows(p.rows, p.threads, [&](int, int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t b = j / cap, q = j % cap;
         const int64_t cnt = starts[b + 1] - starts[b];

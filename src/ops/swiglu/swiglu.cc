@@ -19,7 +19,7 @@ constexpr int kMaxRank = 8;  // §5.3: ranks 1..8 (2..8 documented, 1 accepted b
 float check_clamp(const Validator& v, double clamp_limit) {
   const float c = static_cast<float>(clamp_limit);
   v.check_shape(c == -1.0f || c > 0.0f, "clamp_limit",
-                cat("must be -1.0 (off) or > 0; got ", clamp_limit));
+                "must be -1.0 (off) or > 0; got ", clamp_limit);
   return c;
 }
 
@@ -37,8 +37,8 @@ void check_weight(const Validator& v, const TensorView& w, int64_t T) {
   v.same_dtype(w, "weight", DType::kFloat32, "float32");
   v.rank_in(w, "weight", 1, kMaxRank);
   v.check_shape(w.numel() == T, "weight",
-                cat("element count must equal the token count T (product of x's leading dims, ",
-                    T, "); got ", w.numel(), " in ", shape_str(w)));
+                "element count must equal the token count T (product of x's leading dims, ",
+                T, "); got ", w.numel(), " in ", shape_str(w));
 }
 
 void check_group_index(const Validator& v, const TensorView& g) {
@@ -88,7 +88,7 @@ SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
   p.clamp = check_clamp(v, a.clamp_limit);
   v.rank_in(*x, "x", 1, kMaxRank);
   const int64_t D = x->shape[x->ndim - 1];
-  v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
+  v.check_shape(D >= 2 && D % 2 == 0, "x", "last dim must be even and >= 2 (2H); got ", D);
   const int64_t T = leading(*x);
   if (weight) check_weight(v, *weight, T);
   if (group_index) check_group_index(v, *group_index);
@@ -150,7 +150,7 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   v.rank_in(*gy, "grad_y", 1, kMaxRank);
   if (y_origin) v.rank_in(*y_origin, "y_origin", 1, kMaxRank);
   const int64_t D = x->shape[x->ndim - 1];
-  v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
+  v.check_shape(D >= 2 && D % 2 == 0, "x", "last dim must be even and >= 2 (2H); got ", D);
   // Rank, leading dims and H: where grad_y, x and y_origin disagree, the odd one out is named
   // (L50); x's last dim counts as 2H.
   auto rank_claim = [](const TensorView& t, const char* arg) {
