@@ -32,6 +32,7 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
   const T* g = typed<T>(p.grad_expanded_x);
   T* out = typed<T>(p.grad_x);
   HWY_ALIGN float acc[kChunk];
+  HWY_ALIGN T stage[kChunk];
   for (int64_t r = begin; r < end; ++r) {
     for (int64_t h0 = 0; h0 < H; h0 += static_cast<int64_t>(kChunk)) {
       const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
@@ -42,12 +43,66 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
         const T* src = g + d * H + h0;
         for (size_t j = 0; j < n; ++j) acc[j] += to_f32(src[j]);
       }
-      store_chunk(acc, out + r * H + h0, n);
+      stream_chunk(acc, out + r * H + h0, n, stage);
     }
+  }
+  hwy::FlushStream();
+}
+
+
+// One row of expanded_x: a copy of `src` (or +0.0 when src is null), written with non-temporal
+// stores for the whole aligned vectors (the output is not read again here, so this skips the
+// read-for-ownership of each destination line), memcpy/memset for the ragged ends.
+void stream_row(const unsigned char* HWY_RESTRICT src, unsigned char* HWY_RESTRICT dst,
+                size_t bytes) {
+  const hn::ScalableTag<uint8_t> d;
+  const size_t v = hn::Lanes(d);
+  size_t head = (v - reinterpret_cast<uintptr_t>(dst) % v) % v;
+  if (head > bytes) head = bytes;
+  size_t i = 0;
+  if (src) {
+    std::memcpy(dst, src, head);
+    for (i = head; i + v <= bytes; i += v) hn::Stream(hn::LoadU(d, src + i), d, dst + i);
+    std::memcpy(dst + i, src + i, bytes - i);
+  } else {
+    std::memset(dst, 0, head);
+    const auto z = hn::Zero(d);
+    for (i = head; i + v <= bytes; i += v) hn::Stream(z, d, dst + i);
+    std::memset(dst + i, 0, bytes - i);
   }
 }
 
 }  // namespace
+
+void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const int32_t* starts,
+                         int64_t n_act) {
+  const int64_t K = p.K;
+  const size_t rb = static_cast<size_t>(p.H * dtype_size(p.x.dtype));
+  const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
+  unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
+  if (p.mode == 0) {
+    parallel_rows(p.rows, p.threads, [&](int, int64_t d0, int64_t d1) {
+      for (int64_t d = d0; d < d1; ++d) {
+        const unsigned char* src =
+            d < n_act ? x + static_cast<int64_t>(sorted[d] / K) * rb : nullptr;
+        stream_row(src, ex + d * rb, rb);
+      }
+      hwy::FlushStream();
+    });
+  } else {
+    const int64_t cap = p.capacity;
+    parallel_rows(p.rows, p.threads, [&](int, int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t b = j / cap, q = j % cap;
+        const int64_t cnt = starts[b + 1] - starts[b];
+        const unsigned char* src =
+            q < cnt ? x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb : nullptr;
+        stream_row(src, ex + j * rb, rb);
+      }
+      hwy::FlushStream();
+    });
+  }
+}
 
 void InitRoutingBackward(const InitRoutingGradPlan& p, const Workspace& ws) {
   const int32_t* idx = index32(p.expanded_row_idx, ws.get<int32_t>(p.ws_idx));
@@ -65,6 +120,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace moegrad {
 HWY_EXPORT(InitRoutingBackward);
+HWY_EXPORT(InitRoutingCopyRows);
 
 int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 
@@ -121,7 +177,7 @@ void init_routing_cpu_size(InitRoutingPlan& p, WorkspaceLayout& layout) {
 
 void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
   advise_output(p.expanded_x);
-  const int64_t K = p.K, H = p.H, N = p.R * p.K;
+  const int64_t N = p.R * p.K;
   const int32_t* e = index32(p.expert_idx, ws.get<int32_t>(p.ws_eidx));
   int32_t* idx = static_cast<int32_t*>(p.expanded_row_idx.data);
   int32_t* sorted = ws.get<int32_t>(p.ws_sorted);  // dst -> src for the in-window slots
@@ -204,33 +260,7 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
   }
 
   // expanded_x: bit copies of token rows; rows with no slot are +0.0 (D27).
-  const size_t rb = static_cast<size_t>(H * dtype_size(p.x.dtype));
-  const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
-  unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
-  if (p.mode == 0) {
-    parallel_rows(p.rows, p.threads, [&](int, int64_t d0, int64_t d1) {
-      for (int64_t d = d0; d < d1; ++d) {
-        if (d < n_act) {
-          std::memcpy(ex + d * rb, x + static_cast<int64_t>(sorted[d] / K) * rb, rb);
-        } else {
-          std::memset(ex + d * rb, 0, rb);
-        }
-      }
-    });
-  } else {
-    const int64_t cap = p.capacity;
-    parallel_rows(p.rows, p.threads, [&](int, int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t b = j / cap, q = j % cap;
-        const int64_t cnt = starts[b + 1] - starts[b];
-        if (q < cnt) {
-          std::memcpy(ex + j * rb, x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb, rb);
-        } else {
-          std::memset(ex + j * rb, 0, rb);
-        }
-      }
-    });
-  }
+  HWY_DYNAMIC_DISPATCH(InitRoutingCopyRows)(p, sorted, starts, n_act);
 
   if (p.has_tokens) {
     if (p.expert_tokens.dtype == DType::kInt64) {
