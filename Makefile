@@ -12,7 +12,7 @@ CPP_TEST_SOURCES := $(shell find tests/cpp tests/consumer examples -type f 2>/de
 # show them (docs/decisions.md L63).
 WERROR := $(if $(filter true 1 yes,$(CI)),ON,OFF)
 
-.PHONY: demo test test-python test-cpp bench setup clean
+.PHONY: demo test test-python test-cpp bench setup clean fuzz fuzz-build test-asan
 
 demo: $(VENV)/.installed
 	$(PY) -m moegrad.demo $(ARGS)
@@ -48,6 +48,32 @@ build/cpp/.built: $(VENV)/.deps $(SOURCES) $(CPP_TEST_SOURCES)
 	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_WERROR=$(WERROR) >/dev/null
 	cmake --build build/cpp -j $(JOBS)
 	touch $@
+
+# ---- fuzzing and sanitizers (docs/testing.md) ----
+FUZZ_SECONDS ?= 10
+FUZZ_RUNS ?= -1
+FUZZ_SOURCES := $(shell find tests/fuzz -type f -not -path '*/corpus/*' 2>/dev/null)
+FUZZERS := fuzz_gating_top_k fuzz_gating_top_k_backward fuzz_finalize_routing \
+	fuzz_finalize_routing_grad fuzz_swiglu_group_quant_grad fuzz_swiglu_group fuzz_swiglu_group_quant \
+	fuzz_finalize_routing_bias_grad fuzz_init_routing_v2 fuzz_init_routing_v3 fuzz_init_routing_grad \
+	fuzz_handles
+
+# libFuzzer harnesses under ASan + UBSan (clang); FUZZ_SECONDS per harness, non-zero exit on
+# any finding. FUZZ_RUNS=N stops each harness after N inputs instead.
+fuzz: build/fuzz/.built
+	bash tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_RUNS)
+
+fuzz-build: build/fuzz/.built
+
+build/fuzz/.built: $(VENV)/.deps $(SOURCES) $(FUZZ_SOURCES)
+	CC=clang-16 CXX=clang++-16 cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DMOEGRAD_BUILD_FUZZERS=ON -DMOEGRAD_SANITIZE=address,undefined >/dev/null
+	cmake --build build/fuzz -j $(JOBS) --target $(FUZZERS)
+	touch $@
+
+# The whole C++ suite and the Python suite against an ASan + UBSan build (scripts/test-asan.sh).
+test-asan: $(VENV)/.deps
+	JOBS=$(JOBS) bash scripts/test-asan.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf build

@@ -2,7 +2,9 @@
 # Installs the Debian packages moegrad's build, tests and demo need, if any is missing.
 # Safe to re-run: it does nothing when everything is present.
 set -euo pipefail
-PACKAGES=(g++ make libhwy-dev libgtest-dev libbenchmark-dev fortunes)
+# clang-16 and libclang-rt-16-dev (libFuzzer, sanitizer runtimes) serve `make fuzz` (clang 14
+# lacks _Float16 on x86-64).
+PACKAGES=(g++ make libhwy-dev libgtest-dev libbenchmark-dev fortunes clang-16 libclang-rt-16-dev)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

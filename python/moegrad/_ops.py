@@ -50,10 +50,6 @@ def _execute(planned, like: Tensor) -> List[Tensor]:
     return outs
 
 
-def _empty(shape: List[int], dtype: torch.dtype, like: Tensor) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
 def _same_device(op: str, *named) -> None:
     """Fake kernels: every tensor on the first one's device, and that a cpu or cuda one (a real
     meta tensor in eager mode lands here and must fail as the native plan would)."""

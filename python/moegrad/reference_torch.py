@@ -180,7 +180,9 @@ def _row_mask(x: Tensor, group_index: Optional[Tensor]) -> Optional[Tensor]:
     if group_index is None:
         return None
     t = x.numel() // x.shape[-1]
-    trunc = group_index.sum()
+    # Exact (Python integers): an int64 sum of huge or garbage counts would wrap around (L52).
+    total = sum(int(v) for v in group_index.reshape(-1).tolist())
+    trunc = max(0, min(total, t))
     return torch.arange(t, device=x.device) < trunc
 
 

@@ -1,6 +1,7 @@
 // Tensor handles, executor registry and error slot of the C API.
 #include "core/acl_api.h"
 
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -59,8 +60,13 @@ void end_run(aclOpExecutor* e) {
                                         "an executor whose stage two is running"));
 }
 
-DType dtype_from_acl(aclDataType t) {
-  switch (t) {
+DType dtype_from_acl(const aclDataType& dt) {
+  // A C caller may pass any int: read the bits, not the enum (a C++ load of an out-of-range
+  // enum value is undefined).
+  int32_t code;
+  static_assert(sizeof code == sizeof dt, "aclDataType is an int");
+  std::memcpy(&code, &dt, sizeof code);
+  switch (code) {
     case ACL_FLOAT: return DType::kFloat32;
     case ACL_FLOAT16: return DType::kFloat16;
     case ACL_BF16: return DType::kBFloat16;
@@ -68,7 +74,7 @@ DType dtype_from_acl(aclDataType t) {
     case ACL_INT64: return DType::kInt64;
     // Other codes are kept as they are (DType's values are aclDataType's), so a dtype error can
     // name the dtype seen; no operator accepts them.
-    default: return static_cast<int32_t>(t) >= 0 ? static_cast<DType>(t) : DType::kOther;
+    default: return code >= 0 && code < 64 ? static_cast<DType>(code) : DType::kOther;
   }
 }
 
@@ -95,7 +101,9 @@ void locate(moegrad::TensorView& v, const void* data) {
 #endif
 }
 
-int64_t element_size(aclDataType t) {
+int64_t element_size(const aclDataType& dt) {
+  int32_t t;  // the bits, not the enum (see dtype_from_acl)
+  std::memcpy(&t, &dt, sizeof t);
   switch (t) {
     case ACL_INT8: case ACL_UINT8: case ACL_BOOL: case ACL_HIFLOAT8: case ACL_FLOAT8_E5M2:
     case ACL_FLOAT8_E4M3FN: case ACL_FLOAT8_E8M0: return 1;

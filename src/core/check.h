@@ -35,13 +35,20 @@ inline int64_t add_sat(int64_t a, int64_t b) {
 }
 
 // One argument's claim about a size several arguments must agree on (see Validator::agree).
+// The description ("dim 0 of [3, 4]") is only formatted when the claim is blamed.
 struct Claim {
+  enum Kind : int32_t { kDim, kRank, kHalfDim };
   const char* arg;
   int64_t value;
-  std::string where;  // e.g. "dim 0 of [3, 4]"
+  const TensorView* t;
+  int32_t dim;
+  Kind kind;
+  std::string where() const;
 };
-// The claim of dim d of t (d < 0 counts from the end).
+// The claim of dim d of t (d < 0 counts from the end); of its rank; of half of dim d.
 Claim dim_claim(const TensorView& t, const char* arg, int d);
+Claim rank_claim(const TensorView& t, const char* arg);
+Claim half_dim_claim(const TensorView& t, const char* arg, int d);
 
 // Concatenates its arguments with operator<<.
 template <typename... Args>
@@ -109,7 +116,7 @@ class Validator {
   // most claims agree on is taken as right (a tie goes to the earliest claim; list inputs before
   // outputs) and the first claim that differs is blamed, so the error names the argument that
   // is actually wrong rather than the one it was compared with. Returns the agreed value.
-  int64_t agree(const std::string& what, const std::vector<Claim>& claims) const;
+  int64_t agree(const char* what, const std::vector<Claim>& claims) const;
 
   int32_t shape_code() const { return shape_code_; }
   const char* op() const { return op_; }

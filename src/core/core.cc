@@ -109,10 +109,27 @@ std::string shape_str(const TensorView& t) {
 
 Claim dim_claim(const TensorView& t, const char* arg, int d) {
   const int i = d < 0 ? t.ndim + d : d;
-  return Claim{arg, t.shape[i], cat("dim ", i, " of ", shape_str(t))};
+  return Claim{arg, t.shape[i], &t, i, Claim::kDim};
 }
 
-int64_t Validator::agree(const std::string& what, const std::vector<Claim>& claims) const {
+Claim rank_claim(const TensorView& t, const char* arg) {
+  return Claim{arg, t.ndim, &t, 0, Claim::kRank};
+}
+
+Claim half_dim_claim(const TensorView& t, const char* arg, int d) {
+  const int i = d < 0 ? t.ndim + d : d;
+  return Claim{arg, t.shape[i] / 2, &t, i, Claim::kHalfDim};
+}
+
+std::string Claim::where() const {
+  switch (kind) {
+    case kRank: return cat("rank of ", shape_str(*t));
+    case kHalfDim: return cat("half of dim ", dim, " of ", shape_str(*t));
+    default: return cat("dim ", dim, " of ", shape_str(*t));
+  }
+}
+
+int64_t Validator::agree(const char* what, const std::vector<Claim>& claims) const {
   size_t best = 0, best_count = 0;
   for (size_t i = 0; i < claims.size(); ++i) {
     size_t count = 0;
@@ -124,10 +141,10 @@ int64_t Validator::agree(const std::string& what, const std::vector<Claim>& clai
     if (c.value == want) continue;
     std::string from;
     for (const Claim& o : claims) {
-      if (o.value == want) from += from.empty() ? cat(o.arg, "'s ", o.where) : cat(", ", o.arg, "'s ", o.where);
+      if (o.value == want) from += from.empty() ? cat(o.arg, "'s ", o.where()) : cat(", ", o.arg, "'s ", o.where());
     }
     fail_shape(c.arg, cat(what, " must equal ", want, " (", from, "); got ", c.value, " (",
-                          c.where, ")"));
+                          c.where(), ")"));
   }
   return want;
 }
@@ -171,6 +188,11 @@ void Validator::index_dtype(const TensorView& t, const char* arg) const {
 }
 
 void Validator::contiguous(const TensorView& t, const char* arg) const {
+  // Optional tensors reach here without present(): a non-empty one needs its data (161001, L55).
+  if (t.data == nullptr && t.numel() > 0) {
+    fail(kErrNullptr, arg, cat("a non-empty tensor must not have a null data pointer; got null "
+                               "data for shape ", shape_str(t)));
+  }
   if (!t.is_contiguous()) {
     fail(kErrParamInvalid, arg, "tensor must be contiguous (row-major); got a strided view");
   }

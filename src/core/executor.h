@@ -94,36 +94,6 @@ ExecutorPtr make_executor(Plan plan, const KernelTable<Plan>& table) {
   return ExecutorPtr(new PlanExecutor<Plan>(std::move(plan), k));
 }
 
-// Transitional form for plans not yet on a kernel table: Plan has `op`, `workspace_bytes` and a
-// free run_plan(const Plan&, void* workspace, void* stream) found by argument-dependent lookup.
-// CPU only, outputs given at plan time (no prepare_ form). New operators use the table form.
-template <typename Plan>
-class LegacyPlanExecutor final : public Executor {
- public:
-  explicit LegacyPlanExecutor(Plan plan) : plan_(std::move(plan)) {}
-  uint64_t workspace_size() const override { return plan_.workspace_bytes; }
-  const std::vector<OutputSpec>& outputs() const override { return outputs_; }
-  Device device() const override { return Device::kCPU; }
-  int32_t device_id() const override { return 0; }
-  void run(void* workspace, uint64_t bytes, void* stream) override {
-    check_workspace(plan_.op, plan_.workspace_bytes, workspace, bytes);
-    run_plan(plan_, workspace, stream);
-  }
-  void run(const TensorView* const*, size_t, void*, uint64_t, void*) override {
-    throw Error(kErrParamInvalid, cat(plan_.op, ": outputs: this operator takes its outputs at "
-                                             "plan time; got outputs to bind"));
-  }
-
- private:
-  Plan plan_;
-  std::vector<OutputSpec> outputs_;
-};
-
-template <typename Plan>
-ExecutorPtr make_executor(Plan plan) {
-  return ExecutorPtr(new LegacyPlanExecutor<Plan>(std::move(plan)));
-}
-
 }  // namespace moegrad
 
 #endif  // MOEGRAD_CORE_EXECUTOR_H_

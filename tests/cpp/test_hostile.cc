@@ -243,6 +243,81 @@ TEST(Overflow, GroupIndexSumsAreExactAndNeverWrap) {
             3);
 }
 
+// ---- found by fuzzing: optional tensors with a null data pointer (L55) ----
+
+TEST(Fuzzed, OptionalTensorsWithNullDataAreRejectedNotRead) {
+  // group_index of SwiGLU, bias of the gating forward, expert_idx of finalize routing: each
+  // non-empty with a null data pointer was read by the host checks before the fix.
+  Tensor x({4, 6}, ACL_FLOAT), y({4, 3}, ACL_FLOAT);
+  Tensor gi = Tensor::null_data({2}, ACL_INT64);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  expect_fails(aclnnSwigluGroupGetWorkspaceSize(x.handle(), nullptr, gi.handle(), -1.0,
+                                                y.handle(), &ws, &ex),
+               ex, ACLNN_ERR_PARAM_NULLPTR, "group_index");
+  Tensor gx({4, 8}, ACL_FLOAT), bias = Tensor::null_data({8}, ACL_FLOAT), gy({4, 2}, ACL_FLOAT),
+      gidx({4, 2}, ACL_INT32), gn({4, 8}, ACL_FLOAT);
+  expect_fails(aclnnMoeGatingTopKGetWorkspaceSize(gx.handle(), bias.handle(), 2, 1, 1, 0, 0, 1,
+                                                  false, 1.0, 1e-20, gy.handle(), gidx.handle(),
+                                                  gn.handle(), &ws, &ex),
+               ex, ACLNN_ERR_PARAM_NULLPTR, "bias");
+  Finalize f;
+  f.eidx = Tensor::null_data({3, 2}, ACL_INT32);
+  expect_fails(f.call(&ex), ex, ACLNN_ERR_PARAM_NULLPTR, "expert_idx");
+  // Empty tensors may have a null data pointer.
+  Tensor gi0 = Tensor({0}, ACL_INT64);
+  ASSERT_EQ(aclnnSwigluGroupGetWorkspaceSize(x.handle(), nullptr, gi0.handle(), -1.0, y.handle(),
+                                             &ws, &ex),
+            ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+  EXPECT_EQ(aclDestroyAclOpExecutor(ex), ACLNN_SUCCESS);
+}
+
+// ---- found by fuzzing: sizes from attributes in the routing extensions (L52) ----
+
+TEST(Fuzzed, InitRoutingGradWithoutTokensAcceptsAnyTopK) {
+  Tensor gex({0, 4}, ACL_FLOAT), idx({0}, ACL_INT32), gx({0, 4}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* ex = nullptr;
+  ASSERT_EQ(aclnnMoeInitRoutingV2GradGetWorkspaceSize(gex.handle(), idx.handle(), kI64Max, 0, 0,
+                                                      gx.handle(), &ws, &ex),
+            ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+  EXPECT_EQ(aclnnMoeInitRoutingV2Grad(nullptr, 0, ex, nullptr), ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+}
+
+TEST(Fuzzed, InitRoutingHugeExpertNumIsAnErrorNotAnOverflowedWorkspace) {
+  Tensor x({2, 4}, ACL_FLOAT), eidx = Tensor::from_i32({2, 1}, {0, 1}), ex({2, 4}, ACL_FLOAT),
+      idx({2}, ACL_INT32);
+  uint64_t ws = 0;
+  aclOpExecutor* e = nullptr;
+  expect_fails(aclnnMoeInitRoutingV2GetWorkspaceSize(x.handle(), eidx.handle(), 0, 0, kI64Max, 0,
+                                                     0, false, ex.handle(), idx.handle(), nullptr,
+                                                     nullptr, &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "expert_num");
+}
+
+TEST(Fuzzed, FinalizeBiasGradNamesTheOddTensorAndBoundsExpertNum) {
+  Tensor gy({3, 4}, ACL_FLOAT), eidx = Tensor::from_i32({3, 2}, {0, 1, 2, 0, 1, 2}),
+      scales({2, 2}, ACL_FLOAT), gb({3, 4}, ACL_FLOAT);
+  uint64_t ws = 0;
+  aclOpExecutor* e = nullptr;
+  expect_fails(aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(gy.handle(), eidx.handle(),
+                                                               scales.handle(), 3, gb.handle(),
+                                                               &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "scales");
+  Tensor gy2({2, 4}, ACL_FLOAT), scales3({3, 2}, ACL_FLOAT);
+  expect_fails(aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(gy2.handle(), eidx.handle(),
+                                                               scales3.handle(), 3, gb.handle(),
+                                                               &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "grad_y");
+  expect_fails(aclnnMoeFinalizeRoutingBiasGradGetWorkspaceSize(gy.handle(), eidx.handle(),
+                                                               scales3.handle(), kI64Max,
+                                                               gb.handle(), &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "expert_num");
+}
+
 // ---- dtype messages (L53) ----
 
 TEST(DtypeMessages, NameTheDtypeSeenAndTheAcceptedOnesOnce) {

@@ -371,7 +371,7 @@ def moe_finalize_routing_grad(grad_y, expanded_row_idx, expanded_x=None, scales=
 # §5 SwigluGroupQuantGrad and the SwiGLU forward (§6.4 without quantisation, L8, L9, D9, D10)
 # --------------------------------------------------------------------------------------------
 def swiglu_trunc(T, group_index):
-    """L8: trunc = clamp(sum(group_index), 0, T), summed in int64; T without group_index."""
+    """L8, L52: trunc = clamp(sum(group_index), 0, T), the sum exact; T without group_index."""
     if group_index is None:
         return T
     gi = as_i64(group_index).reshape(-1)

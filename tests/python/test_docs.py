@@ -44,6 +44,8 @@ def _tracked_files():
         path = ROOT / name
         if not path.is_file():
             continue  # deleted in the work tree, not yet committed
+        if name.startswith("tests/fuzz/corpus/"):
+            continue  # fuzzer inputs: arbitrary bytes, not text
         data = path.read_bytes()
         if b"\0" in data[:8192]:
             continue  # binary (images)

@@ -124,6 +124,10 @@ def test_group_index_sum_is_exact(counts, kept):
     full = moegrad.swiglu_group(x)
     assert torch.equal(y[:kept], full[:kept])
     assert torch.all(y[kept:] == 0)
+    # the plain-PyTorch reference shipped with the package sums exactly too
+    from moegrad import reference_torch
+    y_ref = reference_torch.swiglu_group(x, group_index=gi)
+    assert torch.all(y_ref[kept:] == 0) and torch.all(y_ref[:kept] != 0)
     gy = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
     gx, _ = moegrad.swiglu_group_quant_backward(gy, x, group_index=gi)
     gx_full, _ = moegrad.swiglu_group_quant_backward(gy, x)

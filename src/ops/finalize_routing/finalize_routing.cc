@@ -325,6 +325,15 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   return p;
 }
 
+namespace {
+// A bound on the bias grad's workspace (two int64 per expert plus the slots), saturating (L52):
+// E is an attribute, so a huge one must be refused before the kernel sizes its workspace.
+uint64_t bias_grad_workspace(int64_t E, int64_t slots) {
+  return static_cast<uint64_t>(
+      add_sat(mul_sat(add_sat(E, 1), 16), mul_sat(add_sat(mul_sat(slots, 8), 63) / 64, 64)));
+}
+}  // namespace
+
 FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
     const TensorView* gy, const TensorView* eidx, const TensorView* scales,
     const FinalizeRoutingBiasGradAttrs& a, const TensorView* gb, bool with_outputs) {
@@ -346,15 +355,23 @@ FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
   optional_layout(v, scales, "scales");
   if (with_outputs) v.contiguous(*gb, "grad_bias");
   v.rank(*gy, "grad_y", 2);
-  const int64_t R = gy->shape[0], H = gy->shape[1];
+  const int64_t H = gy->shape[1];
   v.check_shape(H >= 1, "grad_y", "hidden size H (dim 1) must be >= 1; got ", H);
   v.rank(*eidx, "expert_idx", 2);
-  v.dim(*eidx, "expert_idx", 0, R, "the token count R of grad_y");
+  if (scales) v.rank(*scales, "scales", 2);
+  // The odd one out is named (L50).
+  std::vector<Claim> r_claims{dim_claim(*gy, "grad_y", 0), dim_claim(*eidx, "expert_idx", 0)};
+  if (scales) r_claims.push_back(dim_claim(*scales, "scales", 0));
+  const int64_t R = v.agree("token count R", r_claims);
   const int64_t K = eidx->shape[1];
   v.check_shape(K >= 1, "expert_idx", "top-k K (dim 1) must be >= 1; got ", K);
   if (scales) v.shape(*scales, "scales", {R, K});
   v.check_shape(a.expert_num >= 1, "expert_num", "must be >= 1; got ", a.expert_num);
   const int64_t E = a.expert_num;
+  v.check_shape(mul_sat(E, H) < (int64_t{1} << 61) &&
+                    bias_grad_workspace(E, mul_sat(R, K)) < (uint64_t{1} << 61),
+                "expert_num",
+                "expert_num * H (the grad_bias size) must stay below 2^61; got ", E, " * ", H);
   if (with_outputs) v.shape(*gb, "grad_bias", {E, H});
   check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, E);
   p.grad_y = *gy;

@@ -118,7 +118,7 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   v.check_shape(H >= 1, "x", cat("hidden size H (dim 1) must be >= 1; got ", H));
   v.dim(*eidx, "expert_idx", 0, R, "x's token count R (dim 0)");
   v.check_shape(K >= 1, "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
-  const int64_t N = R * K;
+  const int64_t N = mul_sat(R, K);
   v.check_shape(N <= kInt32Max, "expert_idx",
                 cat("R * K must fit the int32 index (<= ", kInt32Max, "); got ", N));
   int64_t rows;
@@ -128,7 +128,7 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     rows = A > 0 ? std::min(A, N) : N;
     ex_shape = {rows, H};
   } else {
-    v.check_shape(E * a.expert_capacity <= kInt32Max, "expert_capacity",
+    v.check_shape(mul_sat(E, a.expert_capacity) <= kInt32Max, "expert_capacity",
                   cat("expert_num * expert_capacity must fit the int32 index; got ", E, " * ",
                       a.expert_capacity));
     rows = E * a.expert_capacity;
@@ -202,6 +202,13 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     chunks = std::min<int64_t>(chunks, std::max<int64_t>(1, 4 * N / counted_bins));
   }
   p.chunks = chunks;
+  // expert_num is an attribute, not bounded by any tensor when no count output is asked for:
+  // the histogram workspace (4 bytes per expert and chunk) must be refused before it overflows
+  // (L52).
+  const int64_t hist_bytes = mul_sat(mul_sat(add_sat(counted_bins, 1), 4), chunks);
+  v.check_shape(hist_bytes < (int64_t{1} << 61), "expert_num",
+                "the per-expert counting workspace (4 bytes per expert) must stay below 2^61 "
+                "bytes; got expert_num ", E);
   return p;
 }
 
@@ -242,7 +249,7 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
   }
   const int64_t H = gex->shape[gex->ndim - 1];
   v.check_shape(H >= 1, "grad_expanded_x", cat("hidden size H (last dim) must be >= 1; got ", H));
-  const int64_t rows = mode == 0 ? gex->shape[0] : gex->shape[0] * gex->shape[1];
+  const int64_t rows = mode == 0 ? gex->shape[0] : mul_sat(gex->shape[0], gex->shape[1]);
   v.check_shape(rows <= kInt32Max, "grad_expanded_x",
                 cat("row count must fit the int32 index; got ", rows));
   if (with_outputs) v.shape(*gx, "grad_x", {R, H});

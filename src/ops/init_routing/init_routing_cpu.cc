@@ -125,7 +125,7 @@ HWY_EXPORT(InitRoutingCopyRows);
 int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 
 void init_routing_grad_cpu_size(InitRoutingGradPlan& p, WorkspaceLayout& layout) {
-  p.threads = plan_threads(p.R, grain(p.H * p.K));
+  p.threads = plan_threads(p.R, grain(mul_sat(p.H, p.K)));  // top_k is unbounded when R = 0
   p.ws_idx = index_scratch(layout, p.expanded_row_idx);
 }
 

@@ -153,19 +153,16 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   v.check_shape(D >= 2 && D % 2 == 0, "x", "last dim must be even and >= 2 (2H); got ", D);
   // Rank, leading dims and H: where grad_y, x and y_origin disagree, the odd one out is named
   // (L50); x's last dim counts as 2H.
-  auto rank_claim = [](const TensorView& t, const char* arg) {
-    return Claim{arg, t.ndim, cat("rank of ", shape_str(t))};
-  };
   std::vector<Claim> rank_claims{rank_claim(*gy, "grad_y"), rank_claim(*x, "x")};
   if (y_origin) rank_claims.push_back(rank_claim(*y_origin, "y_origin"));
   const int64_t rank = v.agree("rank", rank_claims);
   for (int i = 0; i + 1 < rank; ++i) {
     std::vector<Claim> c{dim_claim(*gy, "grad_y", i), dim_claim(*x, "x", i)};
     if (y_origin) c.push_back(dim_claim(*y_origin, "y_origin", i));
-    v.agree(cat("leading dim ", i), c);
+    v.agree("leading dim", c);
   }
   std::vector<Claim> h_claims{dim_claim(*gy, "grad_y", -1),
-                              Claim{"x", D / 2, cat("half of dim ", x->ndim - 1, " of ", shape_str(*x))}};
+                              half_dim_claim(*x, "x", -1)};
   if (y_origin) h_claims.push_back(dim_claim(*y_origin, "y_origin", -1));
   v.agree("hidden size H", h_claims);
   const int64_t T = leading(*x);
