@@ -1,4 +1,4 @@
-"""moegrad: fused Mixture-of-Experts training operators for PyTorch (CPU now, CUDA planned).
+"""moegrad: fused Mixture-of-Experts training operators for PyTorch, on CPUs and NVIDIA GPUs.
 
 Every function takes and returns torch.Tensors, is a ``torch.library`` custom op in the
 namespace ``moegrad`` (``torch.ops.moegrad.<name>``, with a fake kernel for torch.compile), and

@@ -119,6 +119,20 @@ def _args(inputs, defaults):
     return tuple(inputs) + tuple(defaults[len(inputs):])
 
 
+# ---- CUDA backend: stream and workspace of the one-shot _C.<op>(..., outputs) calls ----
+def _cuda_launch_context(device: int, workspace_bytes: int):
+    """Called by the native module for one-shot calls on CUDA tensors: torch's current stream
+    of `device` and a workspace from torch's caching allocator (None when none is needed)."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    ws = (torch.empty(workspace_bytes, dtype=torch.uint8, device=torch.device("cuda", device))
+          if workspace_bytes else None)
+    return stream, ws
+
+
+_C._set_cuda_hook(_cuda_launch_context)
+# ---- end CUDA launch context ----
+
+
 # ---------------------------------------------------------------------------------------------
 # Gating top-k (§1, §2)
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +316,12 @@ def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
                                    scales: Optional[Tensor], expert_num: int) -> Tensor:
     """Gradient of finalize routing's bias (D23, L22): per expert, the sum of scale * grad_y
     over the slots using it, dropped slots included. Internal op of the autograd."""
+    if grad_y.is_cuda:
+        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
+        # not capturable in a CUDA graph; docs/cuda.md) ----
+        to_cpu = (lambda t: None if t is None else t.cpu())  # noqa: E731
+        return moe_finalize_routing_bias_grad(grad_y.cpu(), to_cpu(expert_idx), to_cpu(scales),
+                                              expert_num).to(grad_y.device)
     grad_y, eidx, scales = grad_y.contiguous(), expert_idx.contiguous(), _contig(scales)
     planned = _C.plan_moe_finalize_routing_bias_grad(_dl(grad_y), _dl(eidx), _dlo(scales),
                                                      expert_num)
@@ -522,6 +542,13 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                      expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
                      active_expert_range: Optional[List[int]] = None,
                      row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    if x.is_cuda:
+        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
+        # not capturable in a CUDA graph; docs/cuda.md) ----
+        outs = moe_init_routing(x.cpu(), expert_idx.cpu(), active_num, expert_capacity,
+                                expert_num, drop_pad_mode, expert_tokens_num_type,
+                                expert_tokens_num_flag, active_expert_range, row_idx_type)
+        return tuple(t.to(x.device) for t in outs)
     x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
@@ -556,6 +583,10 @@ def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mod
 @_op("moegrad::moe_init_routing_grad")
 def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
                           drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
+    if grad_expanded_x.is_cuda:
+        # ---- CUDA backend: no CUDA kernel yet; computed on the CPU (docs/cuda.md) ----
+        return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
+                                     drop_pad_mode, active_num).to(grad_expanded_x.device)
     g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
     (gx,) = _execute(_C.plan_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num), g)
     return gx

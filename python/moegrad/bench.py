@@ -787,6 +787,8 @@ def parse_args(argv=None):
                    help="comma-separated subset of fp32,bf16,fp16 (default fp32,bf16)")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None,
                    help=f"comma-separated token counts (default {FULL_TOKENS})")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (default) or cuda: the GPU benchmark of moegrad.bench_cuda")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: random, printed)")
     p.add_argument("--mem-limit-gb", type=float, default=DEFAULT_MEM_LIMIT_GB,
@@ -990,6 +992,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_json:
         return report(args)
+    if args.device == "cuda":
+        from moegrad import bench_cuda
+        return bench_cuda.main(args)
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
     if args.overhead:

@@ -71,7 +71,28 @@ class Args {
   size_t n_ = 0;
 };
 
+// ---- CUDA backend: one-shot calls on CUDA tensors ----
+// The torch front registers hook(device, workspace_bytes) -> (stream, workspace or None): torch's
+// current stream of the device and a uint8 workspace from its caching allocator, kept alive until
+// the launch is enqueued (the allocator reuses it in stream order).
+PyObject* g_cuda_hook = nullptr;
+
 void run(ExecutorPtr e) {
+  if (e->device() == Device::kCUDA) {
+    if (g_cuda_hook == nullptr) {
+      throw Error(kErrParamInvalid, "moegrad: device: CUDA tensors need the torch front "
+                                    "(import moegrad) to provide the stream");
+    }
+    const uint64_t bytes = e->workspace_size();
+    const int dev = e->device_id();
+    nb::tuple ctx = nb::cast<nb::tuple>(
+        nb::handle(g_cuda_hook)(dev, static_cast<unsigned long long>(bytes)));
+    void* stream = reinterpret_cast<void*>(nb::cast<uintptr_t>(ctx[0]));
+    void* ws = ctx[1].is_none() ? nullptr : nb::cast<nb::ndarray<>>(ctx[1]).data();
+    nb::gil_scoped_release release;
+    e->run(ws, bytes, stream);
+    return;
+  }
   nb::gil_scoped_release release;
   run_now(*e);
 }
@@ -150,6 +171,15 @@ NB_MODULE(_C, m) {
     Py_XINCREF(cls.ptr());
     g_error_class = cls.ptr();
   });
+  m.def("_set_cuda_hook", [](nb::object hook) {
+    Py_XINCREF(hook.ptr());
+    g_cuda_hook = hook.ptr();
+  });
+#ifdef MOEGRAD_WITH_CUDA
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("_validation_count", &validation_count);

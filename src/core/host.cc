@@ -101,8 +101,13 @@ const int32_t* index32(const TensorView& t, int32_t* scratch) {
 
 void require_cpu(const char* op, const TensorView& t) {
   if (t.device != Device::kCPU) {
+#ifdef MOEGRAD_WITH_CUDA
+    throw Error(kErrParamInvalid, cat(op, ": device: this operator has no CUDA kernel yet; "
+                                          "pass CPU tensors"));
+#else
     throw Error(kErrParamInvalid, cat(op, ": device: CUDA tensors need a moegrad build with "
                                           "MOEGRAD_WITH_CUDA=ON; this build is CPU-only"));
+#endif
   }
 }
 

@@ -155,7 +155,10 @@ def test_demo_catches_perturbed_routing_scales(tmp_path, text_file, seed, monkey
     assert calls, "the demo did not call moegrad.moe_finalize_routing"
     assert rc == 1 and doc["passed"] is False
     assert doc["grad_rel_diff_step0"] > demo.GRAD_TOL
-    assert any(c["status"] == "FAIL" for c in doc["same_state_checks"])
+    # The perturbed model can flip a few routings in the second layer; such a check counts as
+    # a tie and is not compared. The run must then still fail, because nothing was compared.
+    statuses = [c["status"] for c in doc["same_state_checks"]]
+    assert "FAIL" in statuses or all(s == "tie" for s in statuses), statuses
 
 
 def test_demo_catches_wrong_router_gradient(tmp_path, text_file, seed, monkeypatch):

@@ -21,6 +21,8 @@ struct FinalizeRoutingPlan : PlanBase {
   bool row_layout = false;  // modes 2/3: flat = r*K + k; modes 0/1: flat = k*R + r
   Slot ws_idx, ws_eidx;     // int64 indices narrowed to int32
   Slot ws_acc, ws_stage;    // CPU scratch, one copy per thread
+  Slot ws_strict;               // CUDA strict index check (L46)
+  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)
   std::array<TensorView*, 1> output_views() { return {&out}; }
 };
 
@@ -38,6 +40,8 @@ struct FinalizeRoutingGradPlan : PlanBase {
   Slot ws_covered;                     // rows of grad_expanded_x some index addresses
   Slot ws_g, ws_scaled, ws_stage;      // CPU scratch, one copy per thread
   int zero_threads = 1;                // threads of the zero-fill loop
+  Slot ws_owner, ws_strict;            // CUDA: row owner map (L44), strict index check (L46)
+  bool strict_indices = false;         // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)
   std::array<TensorView*, 2> output_views() { return {&grad_expanded_x, &grad_scales}; }
 };
 

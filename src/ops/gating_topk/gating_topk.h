@@ -26,6 +26,8 @@ struct GatingTopKBackwardPlan : PlanBase {
   GatingTopKBackwardAttrs attrs;
   int64_t M = 0, N = 0, K = 0;
   Slot ws_idx;  // int64 expert_idx narrowed to int32
+  Slot ws_strict;               // CUDA strict index check (L46)
+  bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)
   std::array<TensorView*, 1> output_views() { return {&grad_x}; }
 };
 

@@ -18,6 +18,7 @@ struct SwigluPlan : PlanBase {
   float clamp = -1.0f;
   int64_t T = 0, H = 0;
   Shape y_shape;
+  Slot ws_active;  // CUDA: the group_index row count, computed on the device (L45)
   std::array<TensorView*, 1> output_views() { return {&y}; }
 };
 
@@ -27,6 +28,7 @@ struct SwigluGradPlan : PlanBase {
   float clamp = -1.0f;
   int64_t T = 0, H = 0;
   Shape grad_x_shape, grad_weight_shape;
+  Slot ws_active;  // CUDA: the group_index row count, computed on the device (L45)
   std::array<TensorView*, 2> output_views() { return {&grad_x, &grad_weight}; }
   // grad_weight is computed when a weight is given and the output is bound (L7).
   bool wants_grad_weight() const { return has_weight && grad_weight.ndim > 0; }
@@ -82,6 +84,15 @@ void swiglu_cuda_size(SwigluPlan& plan, WorkspaceLayout& layout);
 void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream);
 void swiglu_grad_cuda_size(SwigluGradPlan& plan, WorkspaceLayout& layout);
 void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* stream);
+#endif
+
+#ifdef MOEGRAD_WITH_CUDA
+// CUDA launchers (swiglu_cuda.cu): stage two on `stream` (a cudaStream_t) with the
+// workspace sized by the *_workspace function; no host synchronisation, no allocation.
+uint64_t swiglu_cuda_workspace(const SwigluPlan& plan);
+void swiglu_cuda(const SwigluPlan& plan, void* workspace, void* stream);
+uint64_t swiglu_grad_cuda_workspace(const SwigluGradPlan& plan);
+void swiglu_grad_cuda(const SwigluGradPlan& plan, void* workspace, void* stream);
 #endif
 
 }  // namespace moegrad
