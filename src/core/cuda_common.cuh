@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/check.h"
 #include "core/convert.h"
@@ -157,6 +158,25 @@ void set_device(const char* op, int device);
 inline void check_launch(const char* op) { check_cuda(op, "kernel launch", cudaGetLastError()); }
 
 inline bool host_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Calls f with a null pointer of the device storage type of a float dtype (validated before).
+template <typename F>
+void dispatch(DType dt, F&& f) {
+  switch (dt) {
+    case DType::kFloat32: f(static_cast<float*>(nullptr)); break;
+    case DType::kFloat16: f(static_cast<f16*>(nullptr)); break;
+    default: f(static_cast<bf16*>(nullptr)); break;
+  }
+}
+
+// 16-byte vector paths need rows of a whole number of vectors and aligned base pointers.
+inline bool vec_ok(int64_t H, DType dt, std::initializer_list<const void*> ptrs) {
+  if ((H * dtype_size(dt)) % 16 != 0) return false;
+  for (const void* q : ptrs) {
+    if (q != nullptr && !host_aligned16(q)) return false;
+  }
+  return true;
+}
 
 // Blocks for a grid-stride loop over n items (n >= 1), capped well below the 2^31 - 1 limit.
 inline unsigned int grid_blocks(int64_t n, int64_t per_block) {

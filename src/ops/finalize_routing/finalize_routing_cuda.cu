@@ -243,22 +243,6 @@ __global__ void __launch_bounds__(kThreads) finalize_grad_kernel(GradParams p) {
   }
 }
 
-template <typename F>
-void dispatch(DType dt, F&& f) {
-  switch (dt) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); break;
-    case DType::kFloat16: f(static_cast<f16*>(nullptr)); break;
-    default: f(static_cast<bf16*>(nullptr)); break;
-  }
-}
-
-bool vec_ok(int64_t H, DType dt, std::initializer_list<const void*> ptrs) {
-  if ((H * dtype_size(dt)) % 16 != 0) return false;
-  for (const void* q : ptrs) {
-    if (q != nullptr && !host_aligned16(q)) return false;
-  }
-  return true;
-}
 
 uint64_t strict_bytes(bool strict, int64_t limit, int64_t num_bias) {
   if (!strict) return 0;

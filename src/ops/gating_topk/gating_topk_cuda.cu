@@ -275,14 +275,6 @@ __global__ void gating_bwd_kernel(BwdParams p) {
   }
 }
 
-template <typename F>
-void dispatch(DType dt, F&& f) {
-  switch (dt) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); break;
-    case DType::kFloat16: f(static_cast<f16*>(nullptr)); break;
-    default: f(static_cast<bf16*>(nullptr)); break;
-  }
-}
 
 constexpr int kSmemBudget = 32 * 1024;  // per block, below the 48 KiB default limit
 
