@@ -18,43 +18,107 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
+from moegrad._ops import _op
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
 
 
 # ------------------------------------------------------------------------------ expert GEMMs --
 def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
-    """torch._grouped_mm serves this call: it exists, strides are 16-byte multiples, and it is
-    the better choice for the device: CUDA bf16 on sm90+; on the CPU only under torch.compile
-    with bf16 (no host sync, so no graph break; its shape function knows bf16 only). CPU eager
-    uses the per-expert loop, which is as fast or faster there (L37)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+    """torch._grouped_mm serves this call: CUDA bf16 on sm90+ with 16-byte-multiple strides (no
+    host sync there). Everything else goes through moegrad::grouped_mm (L37)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
     es = x.element_size()
     if (x.shape[-1] * es) % 16 or (w.shape[-1] * es) % 16:
         return False
-    if x.is_cuda:
-        return torch.cuda.get_device_capability(x.device)[0] >= 9
-    return torch.compiler.is_compiling()
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-@torch.compiler.disable
-def _per_expert_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """One GEMM per expert on its contiguous slice of rows. The slice sizes are read on the host,
-    so torch.compile breaks the graph here (and only here, outside the moegrad ops)."""
-    sizes = counts.tolist()
-    outs = [xe @ w[e] for e, xe in enumerate(x.split(sizes))]
-    if not outs:
-        return x.new_zeros((0, w.shape[-1]))
-    return torch.cat(outs)
+def _slices(counts: Tensor, rows: int) -> List[int]:
+    """Expert sizes on the host; rows past sum(counts) (none in the layer) form a last slice
+    that no expert owns."""
+    sizes = [int(c) for c in counts.tolist()]
+    rest = rows - sum(sizes)
+    if rest < 0 or min(sizes, default=0) < 0:
+        raise ValueError(f"grouped_mm: counts: must be >= 0 and sum to at most the {rows} rows "
+                         f"of x; got sum {sum(sizes)}")
+    return sizes + [rest]
+
+
+@_op("moegrad::grouped_mm")
+def _grouped_mm_op(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """x [rows, A] grouped by expert (counts [E]) times w [E, A, B] -> [rows, B]; rows past
+    sum(counts) are zero. One GEMM per expert written in place into its slice of the output,
+    and an opaque operator, so torch.compile keeps one graph around it."""
+    sizes = _slices(counts, x.shape[0])
+    out = x.new_empty((x.shape[0], w.shape[-1]))
+    outs, xs = out.split(sizes), x.split(sizes)
+    for e in range(len(sizes) - 1):
+        if sizes[e]:
+            torch.mm(xs[e], w[e], out=outs[e])
+    outs[-1].zero_()
+    return out
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, counts):
+    return x.new_empty((x.shape[0], w.shape[-1]))
+
+
+@_op("moegrad::grouped_mm_backward")
+def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, need_x: bool,
+                            need_w: bool) -> List[Tensor]:
+    """(grad_x [rows, A] or [0], grad_w [E, A, B] or [0]) of grouped_mm. grad_w is written expert
+    by expert into one stacked tensor: no per-expert full-size zero tensors (what autograd of
+    `xe @ w[e]` accumulates), and experts without rows get zeros."""
+    sizes = _slices(counts, x.shape[0])
+    gx = grad.new_empty(x.shape) if need_x else grad.new_empty((0,))
+    gw = grad.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    gs, xs = grad.split(sizes), x.split(sizes)
+    gxs = gx.split(sizes) if need_x else None
+    for e in range(len(sizes) - 1):
+        if need_x and sizes[e]:
+            torch.mm(gs[e], w[e].t(), out=gxs[e])
+        if need_w:
+            if sizes[e]:
+                torch.mm(xs[e].t(), gs[e], out=gw[e])
+            else:
+                gw[e].zero_()
+    if need_x:
+        gxs[-1].zero_()
+    return [gx, gw]
+
+
+@_grouped_mm_backward_op.register_fake
+def _(grad, x, w, counts, need_x, need_w):
+    return [grad.new_empty(x.shape if need_x else (0,)),
+            grad.new_empty(w.shape if need_w else (0,))]
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, counts = inputs
+    ctx.save_for_backward(x, w, counts)
+
+
+def _grouped_mm_bwd(ctx, grad):
+    x, w, counts = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gx, gw = _grouped_mm_backward_op(grad.contiguous(), x, w, counts, need_x, need_w)
+    return (gx if need_x else None), (gw if need_w else None), None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B]."""
+    """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B].
+    torch._grouped_mm on CUDA bf16 sm90+, else the operator moegrad::grouped_mm (differentiable,
+    compiles without a graph break; it reads the expert sizes on the host)."""
     if _grouped_mm_ok(x, w) and x.shape[0] > 0:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    return _per_expert_mm(x, w, counts)
+    return _grouped_mm_op(x.contiguous(), w.contiguous(), counts)
 
 
 # -------------------------------------------------------------------- expert-parallel comms --
@@ -77,6 +141,23 @@ class _AllToAll(torch.autograd.Function):
         out = g.new_empty((sum(ctx.in_splits),) + tuple(g.shape[1:]))
         dist.all_to_all_single(out, g, ctx.in_splits, ctx.out_splits, group=ctx.group)
         return out, None, None, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the backward passes the gradient through unchanged: every rank
+    computes the same loss from the sum, and the data-parallel gradient all-reduce later adds
+    the ranks' parts (torch.distributed.nn's all_reduce would sum them here already)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
@@ -236,15 +317,27 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
         if scores is not None:
-            # Switch: E * sum_e f_e * P_e (f: routed fraction, no gradient; P: mean score).
-            f = counts.float() / max(T * K, 1)
-            p = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
-            self.aux_loss = self.aux_loss_coef * E * (f * p.mean(0)).sum()
+            self.aux_loss = self._switch_loss(scores, counts, T)
         else:
             self.aux_loss = None
         y = _mg.moe_finalize_routing(out_rows, row_idx, x1=self._shared(x), scales=weights,
                                  drop_pad_mode=mode, k=K)
         return y.reshape(shape)
+
+    def _switch_loss(self, scores: Tensor, counts: Tensor, T: int) -> Tensor:
+        """Switch: coef * E * sum_e f_e * P_e (f: fraction of the T*K slots routed to e, no
+        gradient; P: mean over tokens of the normalised score). With ep_group both are over the
+        tokens of every rank (L88), so the value equals the single-process one on each rank."""
+        E, K = self.num_experts, self.top_k
+        p_sum = (scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)).sum(0)
+        load = torch.cat([counts.to(torch.float64), counts.new_full((1,), T).to(torch.float64)])
+        if self.ep_group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(load, group=self.ep_group)
+            p_sum = _AllReduceSum.apply(p_sum, self.ep_group)
+        tokens = load[-1].clamp_min(1.0)           # a tensor: no host read, no graph break
+        f = (load[:-1] / (tokens * K)).to(p_sum.dtype)
+        return self.aux_loss_coef * E * (f * (p_sum / tokens.to(p_sum.dtype))).sum()
 
     # -- expert parallelism -----------------------------------------------------------------
     def _expert_parallel(self, ex: Tensor, counts: Tensor) -> Tensor:

@@ -50,11 +50,23 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
 }
 
 
-// One row of expanded_x: a copy of `src` (or +0.0 when src is null), written with non-temporal
-// stores for the whole aligned vectors (the output is not read again here, so this skips the
-// read-for-ownership of each destination line), memcpy/memset for the ragged ends.
+// Outputs below this size stay in the cache for their consumer (the expert GEMM reads
+// expanded_x next): plain stores. Larger ones cannot stay there anyway: non-temporal stores.
+constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
+
+// One row of expanded_x: a copy of `src` (or +0.0 when src is null). With `nt`, written with
+// non-temporal stores for the whole aligned vectors (this skips the read-for-ownership of each
+// destination line), memcpy/memset for the ragged ends.
 void stream_row(const unsigned char* HWY_RESTRICT src, unsigned char* HWY_RESTRICT dst,
-                size_t bytes) {
+                size_t bytes, bool nt) {
+  if (!nt) {
+    if (src) {
+      std::memcpy(dst, src, bytes);
+    } else {
+      std::memset(dst, 0, bytes);
+    }
+    return;
+  }
   const hn::ScalableTag<uint8_t> d;
   const size_t v = hn::Lanes(d);
   size_t head = (v - reinterpret_cast<uintptr_t>(dst) % v) % v;
@@ -80,12 +92,13 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
   const size_t rb = static_cast<size_t>(p.H * dtype_size(p.x.dtype));
   const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
   unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
+  const bool nt = mul_sat(p.rows, static_cast<int64_t>(rb)) >= kStreamMinBytes;
   if (p.mode == 0) {
     parallel_rows(p.rows, p.threads, [&](int, int64_t d0, int64_t d1) {
       for (int64_t d = d0; d < d1; ++d) {
         const unsigned char* src =
             d < n_act ? x + static_cast<int64_t>(sorted[d] / K) * rb : nullptr;
-        stream_row(src, ex + d * rb, rb);
+        stream_row(src, ex + d * rb, rb, nt);
       }
       hwy::FlushStream();
     });
@@ -97,7 +110,7 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
         const int64_t cnt = starts[b + 1] - starts[b];
         const unsigned char* src =
             q < cnt ? x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb : nullptr;
-        stream_row(src, ex + j * rb, rb);
+        stream_row(src, ex + j * rb, rb, nt);
       }
       hwy::FlushStream();
     });
