@@ -14,7 +14,10 @@
  * aclSetAclOpExecutorRepeatable() was called, in which case it may run any number of times
  * and must be freed with aclDestroyAclOpExecutor(). Calling stage two with an executor that was
  * consumed or destroyed returns ACLNN_ERR_PARAM_INVALID (executors are tracked, so this is
- * detected, not undefined). An executor never run leaks until aclDestroyAclOpExecutor().
+ * detected, not undefined; a handle is an opaque serial number, never reused, so a stale one
+ * stays invalid even after later executors were created). An executor used from several threads
+ * at once gets ACLNN_ERR_PARAM_INVALID for an overlapping run or destroy.
+ * An executor never run leaks until aclDestroyAclOpExecutor().
  * Executors hold the tensors' data pointers, not the aclTensor handles: handles may be
  * destroyed after stage one; the memory they describe must live until stage two returns.
  *
