@@ -272,7 +272,7 @@ HWY_INLINE VF ExpNaN(DF d, VF x) {
 }
 
 // Stable logistic function: exp of a non-positive argument only, so no overflow; exact 0/1 at
-// the extremes; NaN propagates. On AVX-512 the division is VRCP14PS and one Newton step (error
+// the extremes; NaN propagates (the input's own bits). On AVX-512 the division is VRCP14PS and one Newton step (error
 // well under an ulp of the quotient); elsewhere a division.
 HWY_INLINE VF Sigmoid(DF d, VF x) {
   const VF one = hn::Set(d, 1.0f);
@@ -287,6 +287,8 @@ HWY_INLINE VF Sigmoid(DF d, VF x) {
 #else
   const VF q = hn::Div(num, den);
 #endif
+  // NaN in, the same NaN out: the callers' products then give the same NaN bits whatever the
+  // operand order the compiler picks (the streamed and plain-store loops must agree bitwise).
   return hn::IfThenElse(hn::IsNaN(x), x, q);
 }
 
