@@ -554,7 +554,7 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                                                       expert_tokens_num_flag)
     attrs = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_num_type,
              flag, has_range, start, end, row_idx_type)
-    ex, idx, tokens = _execute(_C.plan_moe_init_routing(x, eidx, *attrs), x)
+    ex, idx, tokens = _execute(_C.plan_moe_init_routing(_dl(x), _dl(eidx), *attrs), x)
     return ex, idx, tokens
 
 
@@ -588,7 +588,8 @@ def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top
         return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
                                      drop_pad_mode, active_num).to(grad_expanded_x.device)
     g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
-    (gx,) = _execute(_C.plan_moe_init_routing_grad(g, idx, top_k, drop_pad_mode, active_num), g)
+    (gx,) = _execute(
+        _C.plan_moe_init_routing_grad(_dl(g), _dl(idx), top_k, drop_pad_mode, active_num), g)
     return gx
 
 

@@ -18,43 +18,107 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
+from moegrad._ops import _op
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
 
 
 # ------------------------------------------------------------------------------ expert GEMMs --
 def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
-    """torch._grouped_mm serves this call: it exists, strides are 16-byte multiples, and it is
-    the better choice for the device: CUDA bf16 on sm90+; on the CPU only under torch.compile
-    with bf16 (no host sync, so no graph break; its shape function knows bf16 only). CPU eager
-    uses the per-expert loop, which is as fast or faster there (L37)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+    """torch._grouped_mm serves this call: CUDA bf16 on sm90+ with 16-byte-multiple strides (no
+    host sync there). Everything else goes through moegrad::grouped_mm (L37)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
     es = x.element_size()
     if (x.shape[-1] * es) % 16 or (w.shape[-1] * es) % 16:
         return False
-    if x.is_cuda:
-        return torch.cuda.get_device_capability(x.device)[0] >= 9
-    return torch.compiler.is_compiling()
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-@torch.compiler.disable
-def _per_expert_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """One GEMM per expert on its contiguous slice of rows. The slice sizes are read on the host,
-    so torch.compile breaks the graph here (and only here, outside the moegrad ops)."""
-    sizes = counts.tolist()
-    outs = [xe @ w[e] for e, xe in enumerate(x.split(sizes))]
-    if not outs:
-        return x.new_zeros((0, w.shape[-1]))
-    return torch.cat(outs)
+def _slices(counts: Tensor, rows: int) -> List[int]:
+    """Expert sizes on the host; rows past sum(counts) (none in the layer) form a last slice
+    that no expert owns."""
+    sizes = [int(c) for c in counts.tolist()]
+    rest = rows - sum(sizes)
+    if rest < 0 or min(sizes, default=0) < 0:
+        raise ValueError(f"grouped_mm: counts: must be >= 0 and sum to at most the {rows} rows "
+                         f"of x; got sum {sum(sizes)}")
+    return sizes + [rest]
+
+
+@_op("moegrad::grouped_mm")
+def _grouped_mm_op(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """x [rows, A] grouped by expert (counts [E]) times w [E, A, B] -> [rows, B]; rows past
+    sum(counts) are zero. One GEMM per expert written in place into its slice of the output,
+    and an opaque operator, so torch.compile keeps one graph around it."""
+    sizes = _slices(counts, x.shape[0])
+    out = x.new_empty((x.shape[0], w.shape[-1]))
+    outs, xs = out.split(sizes), x.split(sizes)
+    for e in range(len(sizes) - 1):
+        if sizes[e]:
+            torch.mm(xs[e], w[e], out=outs[e])
+    outs[-1].zero_()
+    return out
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, counts):
+    return x.new_empty((x.shape[0], w.shape[-1]))
+
+
+@_op("moegrad::grouped_mm_backward")
+def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, need_x: bool,
+                            need_w: bool) -> List[Tensor]:
+    """(grad_x [rows, A] or [0], grad_w [E, A, B] or [0]) of grouped_mm. grad_w is written expert
+    by expert into one stacked tensor: no per-expert full-size zero tensors (what autograd of
+    `xe @ w[e]` accumulates), and experts without rows get zeros."""
+    sizes = _slices(counts, x.shape[0])
+    gx = grad.new_empty(x.shape) if need_x else grad.new_empty((0,))
+    gw = grad.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    gs, xs = grad.split(sizes), x.split(sizes)
+    gxs = gx.split(sizes) if need_x else None
+    for e in range(len(sizes) - 1):
+        if need_x and sizes[e]:
+            torch.mm(gs[e], w[e].t(), out=gxs[e])
+        if need_w:
+            if sizes[e]:
+                torch.mm(xs[e].t(), gs[e], out=gw[e])
+            else:
+                gw[e].zero_()
+    if need_x:
+        gxs[-1].zero_()
+    return [gx, gw]
+
+
+@_grouped_mm_backward_op.register_fake
+def _(grad, x, w, counts, need_x, need_w):
+    return [grad.new_empty(x.shape if need_x else (0,)),
+            grad.new_empty(w.shape if need_w else (0,))]
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, counts = inputs
+    ctx.save_for_backward(x, w, counts)
+
+
+def _grouped_mm_bwd(ctx, grad):
+    x, w, counts = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    gx, gw = _grouped_mm_backward_op(grad.contiguous(), x, w, counts, need_x, need_w)
+    return (gx if need_x else None), (gw if need_w else None), None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B]."""
+    """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B].
+    torch._grouped_mm on CUDA bf16 sm90+, else the operator moegrad::grouped_mm (differentiable,
+    compiles without a graph break; it reads the expert sizes on the host)."""
     if _grouped_mm_ok(x, w) and x.shape[0] > 0:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    return _per_expert_mm(x, w, counts)
+    return _grouped_mm_op(x.contiguous(), w.contiguous(), counts)
 
 
 # -------------------------------------------------------------------- expert-parallel comms --

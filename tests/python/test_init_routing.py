@@ -6,6 +6,8 @@ opcheck and the init routing -> SwiGLU -> finalize routing chain.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -221,6 +223,29 @@ def test_low_level_outputs_fully_written(rng):
     _C.moe_init_routing_grad(torch.ones(9, 5), torch.full((9,), -1, dtype=torch.int32), 3, 0, 0,
                              out)
     assert torch.equal(out, torch.zeros(3, 5)) and g.isnan().all()
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_large_outputs_take_the_streaming_copy(mode, rng):
+    """expanded_x of >= 8 MB is written with non-temporal stores, smaller ones with plain
+    copies (L87): the large path, with odd H (rows not vector-aligned) and zero padding rows,
+    into a poisoned buffer, equals the reference bit for bit."""
+    R, K, E, H, cap = 2100, 2, 16, 1001, 300
+    x = randn((R, H), torch.float32, rng)
+    eidx = rand_expert_idx(R, K, E, rng)
+    attrs = (0, cap, E, mode, 1, True, False, 0, 0, 0)
+    sx, si, st = _C.infer_moe_init_routing(x, eidx, *attrs)
+    assert math.prod(sx) * 4 >= 8 << 20
+    ex = poison(torch.empty(sx))
+    idx = poison(torch.empty(si, dtype=torch.int32))
+    tok = poison(torch.empty(st, dtype=torch.int64))
+    _C.moe_init_routing(x, eidx, *attrs, ex, idx, tok)
+    rex, ridx, rtok = ref.moe_init_routing(x, eidx, expert_capacity=cap, expert_num=E,
+                                           drop_pad_mode=mode)
+    assert torch.equal(ex.double(), torch.from_numpy(rex))
+    assert idx.tolist() == ridx.tolist() and tok.tolist() == rtok.tolist()
+    if mode == 1:
+        assert (torch.from_numpy(rex) == 0).all(-1).any(), "the case must have padding rows"
 
 
 # ------------------------------------------------------------------------------ validation --

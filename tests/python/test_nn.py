@@ -184,6 +184,54 @@ def test_capacity_mode_compiles_without_graph_break():
     assert explain.graph_break_count == 0, explain.break_reasons
 
 
+@pytest.mark.parametrize("dropless", [True, False])
+def test_layer_compiles_without_graph_break(dropless):
+    # The dropless expert GEMMs are the opaque operator moegrad::grouped_mm: no graph break.
+    m = MoE(16, 8, 4, 2, capacity_factor=None if dropless else 1.5)
+    explain = torch._dynamo.explain(m)(torch.randn(12, 16))
+    assert explain.graph_break_count == 0, explain.break_reasons
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_mm_against_float64(dtype):
+    # Empty experts, a rows tail no expert owns (zero output, zero gradient), random upstream.
+    from moegrad.nn import grouped_mm
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    E, A, B = 5, 7, 9
+    counts = torch.tensor([3, 0, 4, 1, 0])
+    rows = int(counts.sum()) + 2
+    x = torch.randn(rows, A, generator=gen).to(dtype).requires_grad_(True)
+    w = torch.randn(E, A, B, generator=gen).to(dtype).requires_grad_(True)
+    g = torch.randn(rows, B, generator=gen).to(dtype)
+    y = grouped_mm(x, w, counts)
+    y.backward(g)
+    xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    owner = torch.repeat_interleave(torch.arange(E), counts)
+    yd = torch.zeros(rows, B, dtype=torch.float64)
+    for r in range(int(counts.sum())):      # row by row: independent of the slicing
+        yd[r] = xd[r] @ wd[owner[r]]
+    yd.backward(g.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y.double(), yd, **tol)
+    torch.testing.assert_close(x.grad.double(), xd.grad, **tol)
+    torch.testing.assert_close(w.grad.double(), wd.grad, **tol)
+    assert torch.all(y[-2:] == 0) and torch.all(x.grad[-2:] == 0)
+    assert torch.all(w.grad[1] == 0) and torch.all(w.grad[4] == 0)
+
+
+def test_grouped_mm_opcheck_and_errors():
+    from moegrad.nn import grouped_mm
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    c = torch.tensor([2, 4])
+    torch.library.opcheck(torch.ops.moegrad.grouped_mm, (x, w, c))
+    torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, c), (x, w))
+    with pytest.raises(ValueError, match="counts"):
+        grouped_mm(x, w, torch.tensor([4, 4]))
+
+
 def test_arguments_checked():
     with pytest.raises(ValueError):
         MoE(8, 4, 6, 2, n_group=4)

@@ -262,3 +262,42 @@ def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renor
             poison(gx)
             moegrad._C.moe_gating_top_k_backward(xn, gy, e, renorm, norm_type, 1.5, 1e-9, gx)
             assert torch.equal(_bits(gx), want), f"{nt} threads: not the fp32 operation order"
+
+
+# --------------------------------------------------------------------------------------------
+# outputs of 8 MB and more: non-temporal stores (whole lines, single vectors, rows of either
+# alignment: H = 2056 alternates 64-byte-aligned and 32-byte-aligned fp32 rows) and row tails
+# --------------------------------------------------------------------------------------------
+@DTYPES
+def test_large_outputs_take_the_streaming_path(dtype, rng):
+    R, K, H, E = 2048 if dtype != F32 else 1024, 4, 2056, 8
+    n = R * K
+    assert R * H * torch.empty(0, dtype=dtype).element_size() >= 8 << 20
+    ex = randn((n, H), dtype, rng)
+    idx = rand_perm_idx(n, rng)
+    x1, x2 = randn((R, H), dtype, rng), randn((R, H), dtype, rng)
+    bias, scales = randn((E, H), dtype, rng), randn((R, K), dtype, rng)
+    eidx = rand_expert_idx(R, K, E, rng, distinct=False)
+    fwd = _bits(_finalize_forward_emulated(ex, idx, x1, x2, bias, scales, eidx, 0))
+    gy = randn((R, H), dtype, rng)
+    iv = idx.long()
+    gex_want = torch.empty((n, H), dtype=F32)
+    gex_want[iv] = _f32(gy)[torch.arange(n) // K] * _f32(scales).reshape(-1)[:, None]
+    gex_want = _bits(gex_want.to(dtype))
+    acc = torch.zeros((R, H), dtype=F32)
+    for k in range(K):
+        acc = acc + _f32(ex[iv.view(R, K)[:, k]])
+    init_want = _bits(acc.to(dtype))
+    for nt in (1, 3):
+        with threads(nt):
+            out = torch.empty((R, H), dtype=dtype)
+            poison(out)
+            moegrad._C.moe_finalize_routing(ex, idx, x1, x2, bias, scales, eidx, 0, out)
+            assert torch.equal(_bits(out), fwd), f"finalize forward, {nt} threads"
+            gex, gsc = _run_grad(gy, idx, ex, scales, eidx, bias, 0, 0, E, 0)
+            assert torch.equal(_bits(gex), gex_want), f"finalize grad, {nt} threads"
+            assert_fully_written(gsc, "grad_scales")
+            gx = torch.empty((R, H), dtype=dtype)
+            poison(gx)
+            moegrad._C.moe_init_routing_grad(ex, idx, K, 0, 0, gx)
+            assert torch.equal(_bits(gx), init_want), f"init routing grad, {nt} threads"

@@ -131,6 +131,7 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
   const T* x1 = p.has_x1 ? typed<T>(p.x1) : nullptr;
   const T* x2 = p.has_x2 ? typed<T>(p.x2) : nullptr;
   T* out = typed<T>(p.out);
+  const bool nt = mul_sat(p.R, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
   SlotRef* tabs = ws.get<SlotRef>(p.ws_slots, tid);  // two tables of K slots: this token, next
   if (begin < end) forward_slots<T, S>(p, idx, eidx, begin, tabs);
   for (int64_t r = begin; r < end; ++r) {
@@ -141,8 +142,8 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
     const T* a1 = x1 ? x1 + r * static_cast<int64_t>(H) : nullptr;
     const T* a2 = x2 ? x2 + r * static_cast<int64_t>(H) : nullptr;
     T* o = out + r * static_cast<int64_t>(H);
-    const bool stream = rows::StreamAligned(d, o);
-    const bool stream2 = rows::Stream2Aligned(d, o);
+    const bool stream = nt && rows::StreamAligned(d, o);
+    const bool stream2 = nt && rows::Stream2Aligned(d, o);
     VF acc[4];
     size_t j = 0;
     for (; j + 4 * L <= H; j += 4 * L) {
@@ -248,6 +249,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
   const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
   T* gex = typed<T>(p.grad_expanded_x);
   S* gs = typed<S>(p.grad_scales);
+  const bool nt = mul_sat(p.rows, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
   float* g = ws.get<float>(p.ws_g, tid);  // H, padded to whole vectors with +0
   const size_t Hv = H / L * L;
   std::fill(g + Hv, g + Hv + L, 0.0f);
@@ -263,7 +265,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
       const VF s = hn::Set(d, scales ? to_f32(scales[i]) : 1.0f);
       // Streamed: grad_expanded_x is written once and not read back here.
       T* dst = valid ? gex + static_cast<int64_t>(di) * static_cast<int64_t>(H) : nullptr;
-      const bool stream = dst != nullptr && rows::StreamAligned(d, dst);
+      const bool stream = nt && dst != nullptr && rows::StreamAligned(d, dst);
       const T* brow = nullptr;
       if (bias && scales) {
         const int32_t e = eidx[i];
@@ -271,7 +273,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
       }
       const T* xrow = valid && ex ? ex + static_cast<int64_t>(di) * p.H : nullptr;
       const T* next_x = xrow ? grad_slot_row(p, idx, ex, i + 1) : nullptr;
-      const bool stream2 = dst != nullptr && rows::Stream2Aligned(d, dst);
+      const bool stream2 = nt && dst != nullptr && rows::Stream2Aligned(d, dst);
       rows::Dot dot;
       size_t j = 0;
       for (; j + 2 * L <= H; j += 2 * L) {

@@ -70,43 +70,43 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   // Attributes: 561103.
   const int64_t mode = a.drop_pad_mode;
   v.check_shape(mode == 0 || mode == 1, "drop_pad_mode",
-                cat("must be 0 (dropless/active) or 1 (drop-pad); got ", mode));
-  v.check_shape(a.expert_num >= 0, "expert_num", cat("must be >= 0; got ", a.expert_num));
+                "must be 0 (dropless/active) or 1 (drop-pad); got ", mode);
+  v.check_shape(a.expert_num >= 0, "expert_num", "must be >= 0; got ", a.expert_num);
   const int64_t E = a.expert_num;
   if (mode == 0) {
     v.check_shape(a.active_num >= -1, "active_num",
-                  cat("must be >= 0 (or -1, the same as 0); got ", a.active_num));
+                  "must be >= 0 (or -1, the same as 0); got ", a.active_num);
   } else {
-    v.check_shape(E > 0, "expert_num", cat("must be > 0 in drop-pad mode; got ", E));
+    v.check_shape(E > 0, "expert_num", "must be > 0 in drop-pad mode; got ", E);
     v.check_shape(a.expert_capacity >= 1, "expert_capacity",
-                  cat("must be >= 1 in drop-pad mode; got ", a.expert_capacity));
+                  "must be >= 1 in drop-pad mode; got ", a.expert_capacity);
     v.check_shape(a.row_idx_type == 0, "row_idx_type",
-                  cat("must be 0 (src->dst) in drop-pad mode; got ", a.row_idx_type));
+                  "must be 0 (src->dst) in drop-pad mode; got ", a.row_idx_type);
   }
   v.check_shape(a.row_idx_type == 0 || a.row_idx_type == 1, "row_idx_type",
-                cat("must be 0 (src->dst, gather) or 1 (dst->src, scatter); got ",
-                    a.row_idx_type));
+                "must be 0 (src->dst, gather) or 1 (dst->src, scatter); got ",
+                a.row_idx_type);
   if (a.expert_tokens_num_flag) {
     v.check_shape(a.expert_tokens_num_type >= 0 && a.expert_tokens_num_type <= 2,
                   "expert_tokens_num_type",
-                  cat("must be 0 (cumsum), 1 (count) or 2 (key-value); got ",
-                      a.expert_tokens_num_type));
+                  "must be 0 (cumsum), 1 (count) or 2 (key-value); got ",
+                  a.expert_tokens_num_type);
     v.check_shape(E > 0, "expert_num",
-                  cat("must be > 0 when expert token counts are requested; got ", E));
+                  "must be > 0 when expert token counts are requested; got ", E);
   }
   int64_t lo = 0, hi = E;
   if (a.has_range) {
     lo = a.expert_start;
     hi = a.expert_end;
     v.check_shape(E > 0, "expert_num",
-                  cat("must be > 0 with an active_expert_range; got ", E));
+                  "must be > 0 with an active_expert_range; got ", E);
     v.check_shape(0 <= lo && lo < hi && hi <= E, "active_expert_range",
-                  cat("must be [start, end) with 0 <= start < end <= expert_num (", E, "); got [",
-                      lo, ", ", hi, ")"));
+                  "must be [start, end) with 0 <= start < end <= expert_num (", E, "); got [",
+                  lo, ", ", hi, ")");
     if (mode == 1) {
       v.check_shape(lo == 0 && hi == E, "active_expert_range",
-                    cat("must cover all experts [0, ", E, ") in drop-pad mode; got [", lo, ", ",
-                        hi, ")"));
+                    "must cover all experts [0, ", E, ") in drop-pad mode; got [", lo, ", ",
+                    hi, ")");
     }
   }
 
@@ -115,12 +115,12 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   v.rank(*eidx, "expert_idx", 2);
   const int64_t R = x->shape[0], H = x->shape[1];
   const int64_t K = eidx->shape[1];
-  v.check_shape(H >= 1, "x", cat("hidden size H (dim 1) must be >= 1; got ", H));
+  v.check_shape(H >= 1, "x", "hidden size H (dim 1) must be >= 1; got ", H);
   v.dim(*eidx, "expert_idx", 0, R, "x's token count R (dim 0)");
-  v.check_shape(K >= 1, "expert_idx", cat("top-k K (dim 1) must be >= 1; got ", K));
+  v.check_shape(K >= 1, "expert_idx", "top-k K (dim 1) must be >= 1; got ", K);
   const int64_t N = mul_sat(R, K);
   v.check_shape(N <= kInt32Max, "expert_idx",
-                cat("R * K must fit the int32 index (<= ", kInt32Max, "); got ", N));
+                "R * K must fit the int32 index (<= ", kInt32Max, "); got ", N);
   int64_t rows;
   Shape ex_shape;
   if (mode == 0) {
@@ -129,8 +129,8 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     ex_shape = {rows, H};
   } else {
     v.check_shape(mul_sat(E, a.expert_capacity) <= kInt32Max, "expert_capacity",
-                  cat("expert_num * expert_capacity must fit the int32 index; got ", E, " * ",
-                      a.expert_capacity));
+                  "expert_num * expert_capacity must fit the int32 index; got ", E, " * ",
+                  a.expert_capacity);
     rows = E * a.expert_capacity;
     ex_shape = {E, a.expert_capacity, H};
   }
@@ -231,13 +231,13 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
 
   const int64_t mode = a.drop_pad_mode;
   v.check_shape(mode == 0 || mode == 1, "drop_pad_mode",
-                cat("must be 0 (dropless/active) or 1 (drop-pad); got ", mode));
-  v.check_shape(a.top_k >= 1, "top_k", cat("must be >= 1; got ", a.top_k));
-  v.check_shape(a.active_num >= 0, "active_num", cat("must be >= 0; got ", a.active_num));
+                "must be 0 (dropless/active) or 1 (drop-pad); got ", mode);
+  v.check_shape(a.top_k >= 1, "top_k", "must be >= 1; got ", a.top_k);
+  v.check_shape(a.active_num >= 0, "active_num", "must be >= 0; got ", a.active_num);
   v.rank(*idx, "expanded_row_idx", 1);
   const int64_t N = idx->shape[0], K = a.top_k;
   v.check_shape(N % K == 0, "expanded_row_idx",
-                cat("length must be a multiple of top_k (", K, "); got ", N));
+                "length must be a multiple of top_k (", K, "); got ", N);
   const int64_t R = N / K;
   if (mode == 0) {
     v.rank(*gex, "grad_expanded_x", 2);
@@ -248,10 +248,10 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
     v.rank(*gex, "grad_expanded_x", 3);
   }
   const int64_t H = gex->shape[gex->ndim - 1];
-  v.check_shape(H >= 1, "grad_expanded_x", cat("hidden size H (last dim) must be >= 1; got ", H));
+  v.check_shape(H >= 1, "grad_expanded_x", "hidden size H (last dim) must be >= 1; got ", H);
   const int64_t rows = mode == 0 ? gex->shape[0] : mul_sat(gex->shape[0], gex->shape[1]);
   v.check_shape(rows <= kInt32Max, "grad_expanded_x",
-                cat("row count must fit the int32 index; got ", rows));
+                "row count must fit the int32 index; got ", rows);
   if (with_outputs) v.shape(*gx, "grad_x", {R, H});
   // D29: values in [-1, limit), each valid value at most once; the kernel skips -1 and d >= rows.
   const int64_t limit = mode == 0 ? N : rows;

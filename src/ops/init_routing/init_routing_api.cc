@@ -35,14 +35,14 @@ aclnnStatus aclnnMoeInitRoutingV2GetWorkspaceSize(
     v.present(view_of(expandedXOut), "expanded_x");
     v.present(view_of(expandedRowIdxOut), "expanded_row_idx");
     require_index32("moe_init_routing", view_of(expertIdx), "expert_idx");
-    v.check_shape(activeNum >= 0, "active_num", cat("must be >= 0; got ", activeNum));
+    v.check_shape(activeNum >= 0, "active_num", "must be >= 0; got ", activeNum);
     v.check_shape(expertCapacity >= 0, "expert_capacity",
-                  cat("must be >= 0; got ", expertCapacity));
-    v.check_shape(expertNum >= 0, "expert_num", cat("must be >= 0; got ", expertNum));
+                  "must be >= 0; got ", expertCapacity);
+    v.check_shape(expertNum >= 0, "expert_num", "must be >= 0; got ", expertNum);
     v.check_shape(expertTokensCountOrCumsumFlag >= 0 && expertTokensCountOrCumsumFlag <= 2,
                   "expert_tokens_count_or_cumsum_flag",
-                  cat("must be 0 (none), 1 (cumsum) or 2 (count); got ",
-                      expertTokensCountOrCumsumFlag));
+                  "must be 0 (none), 1 (cumsum) or 2 (count); got ",
+                  expertTokensCountOrCumsumFlag);
     InitRoutingAttrs a;
     a.expert_num = expertNum;
     a.drop_pad_mode = dropPadMode;
@@ -91,12 +91,12 @@ aclnnStatus aclnnMoeInitRoutingV3GetWorkspaceSize(
     require_index32("moe_init_routing", view_of(expertIdx), "expert_idx");
     // No quantisation in this release (D25).
     v.check(quantMode == -1, kErrParamInvalid, "quant_mode",
-            cat("only -1 (no quantisation) is supported; got ", quantMode));
+            "only -1 (no quantisation) is supported; got ", quantMode);
     v.check(scaleOptional == nullptr, kErrParamInvalid, "scale",
             "is not supported (no quantisation, no scale permutation); got a tensor");
     v.check(offsetOptional == nullptr, kErrParamInvalid, "offset",
             "is not supported (no quantisation); got a tensor");
-    v.check_shape(expertNum >= 1, "expert_num", cat("must be >= 1; got ", expertNum));
+    v.check_shape(expertNum >= 1, "expert_num", "must be >= 1; got ", expertNum);
     InitRoutingAttrs a;
     a.active_num = activeNum;
     a.expert_capacity = expertCapacity;
@@ -108,7 +108,7 @@ aclnnStatus aclnnMoeInitRoutingV3GetWorkspaceSize(
     if (activeExpertRangeOptional != nullptr && !activeExpertRangeOptional->values.empty()) {
       const auto& r = activeExpertRangeOptional->values;
       v.check_shape(r.size() == 2, "active_expert_range",
-                    cat("must hold 2 values [start, end); got ", r.size()));
+                    "must hold 2 values [start, end); got ", r.size());
       a.has_range = true;
       a.expert_start = r[0];
       a.expert_end = r[1];

@@ -66,11 +66,12 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
   const size_t H = static_cast<size_t>(p.H);
   const T* g = typed<T>(p.grad_expanded_x);
   T* out = typed<T>(p.grad_x);
+  const bool nt = mul_sat(p.R, p.H * static_cast<int64_t>(sizeof(T))) >= rows::kStreamMinBytes;
   for (int64_t r = begin; r < end; ++r) {
     const bool has_next = r + 1 < end;
     T* o = out + r * p.H;
-    const bool stream = rows::StreamAligned(d, o);
-    const bool stream2 = rows::Stream2Aligned(d, o);
+    const bool stream = nt && rows::StreamAligned(d, o);
+    const bool stream2 = nt && rows::Stream2Aligned(d, o);
     VF acc[4];
     size_t j = 0;
     for (; j + 4 * L <= H; j += 4 * L) {
@@ -105,11 +106,23 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
 }
 
 
-// One row of expanded_x: a copy of `src` (or +0.0 when src is null), written with non-temporal
-// stores for the whole aligned vectors (the output is not read again here, so this skips the
-// read-for-ownership of each destination line), memcpy/memset for the ragged ends.
+// Outputs below this size stay in the cache for their consumer (the expert GEMM reads
+// expanded_x next): plain stores. Larger ones cannot stay there anyway: non-temporal stores.
+constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
+
+// One row of expanded_x: a copy of `src` (or +0.0 when src is null). With `nt`, written with
+// non-temporal stores for the whole aligned vectors (this skips the read-for-ownership of each
+// destination line), memcpy/memset for the ragged ends.
 void stream_row(const unsigned char* HWY_RESTRICT src, unsigned char* HWY_RESTRICT dst,
-                size_t bytes) {
+                size_t bytes, bool nt) {
+  if (!nt) {
+    if (src) {
+      std::memcpy(dst, src, bytes);
+    } else {
+      std::memset(dst, 0, bytes);
+    }
+    return;
+  }
   const hn::ScalableTag<uint8_t> d;
   const size_t v = hn::Lanes(d);
   size_t head = (v - reinterpret_cast<uintptr_t>(dst) % v) % v;
@@ -135,12 +148,13 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
   const size_t rb = static_cast<size_t>(p.H * dtype_size(p.x.dtype));
   const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
   unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
+  const bool nt = mul_sat(p.rows, static_cast<int64_t>(rb)) >= kStreamMinBytes;
   if (p.mode == 0) {
     parallel_rows(p.rows, p.threads, [&](int, int64_t d0, int64_t d1) {
       for (int64_t d = d0; d < d1; ++d) {
         const unsigned char* src =
             d < n_act ? x + static_cast<int64_t>(sorted[d] / K) * rb : nullptr;
-        stream_row(src, ex + d * rb, rb);
+        stream_row(src, ex + d * rb, rb, nt);
       }
       hwy::FlushStream();
     });
@@ -152,7 +166,7 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
         const int64_t cnt = starts[b + 1] - starts[b];
         const unsigned char* src =
             q < cnt ? x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb : nullptr;
-        stream_row(src, ex + j * rb, rb);
+        stream_row(src, ex + j * rb, rb, nt);
       }
       hwy::FlushStream();
     });

@@ -243,7 +243,7 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
                a.quant_mode));
   }
   v.check(a.quant_mode == 0 || a.quant_mode == 1, kErrParamInvalid, "quant_mode",
-          cat("must be 0 (FP8 blocks of 128) or 1 (MX blocks of 32); got ", a.quant_mode));
+          "must be 0 (FP8 blocks of 128) or 1 (MX blocks of 32); got ", a.quant_mode);
   const int64_t dst = a.dst_type;
   if (dst == 34 || dst == 40 || dst == 41) {
     v.fail(kErrParamInvalid, "dst_type",
@@ -251,15 +251,15 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
                dst));
   }
   v.check(dst == 35 || dst == 36, kErrParamInvalid, "dst_type",
-          cat("must be 36 (float8_e4m3fn) or 35 (float8_e5m2); got ", dst));
+          "must be 36 (float8_e4m3fn) or 35 (float8_e5m2); got ", dst);
   const int64_t block = a.quant_mode == 0 ? 128 : 32;
   v.check(a.block_size == 0 || a.block_size == block, kErrParamInvalid, "block_size",
-          cat("must be 0 or ", block, " for quant_mode ", a.quant_mode, "; got ", a.block_size));
+          "must be 0 or ", block, " for quant_mode ", a.quant_mode, "; got ", a.block_size);
   v.check(a.quant_mode == 0 || a.round_scale, kErrParamInvalid, "round_scale",
           "quant_mode 1 (MX) needs power-of-two scales, round_scale = true; got false");
   v.check(scale == nullptr, kErrParamInvalid, "scale",
-          cat("only the HiFloat8 static mode (quant_mode 2, not supported) takes a scale; got a "
-              "tensor with quant_mode ", a.quant_mode));
+          "only the HiFloat8 static mode (quant_mode 2, not supported) takes a scale; got a "
+          "tensor with quant_mode ", a.quant_mode);
   // Dtypes and layouts (161002).
   v.dtype_in(*x, "x", kFloatTypes);
   if (weight) v.same_dtype(*weight, "weight", DType::kFloat32, "float32");
@@ -295,7 +295,7 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
   p.clamp = check_clamp(v, a.clamp_limit);
   v.rank_in(*x, "x", 2, kMaxRank);
   const int64_t D = x->shape[x->ndim - 1];
-  v.check_shape(D >= 2 && D % 2 == 0, "x", cat("last dim must be even and >= 2 (2H); got ", D));
+  v.check_shape(D >= 2 && D % 2 == 0, "x", "last dim must be even and >= 2 (2H); got ", D);
   const int64_t T = leading(*x);
   const int64_t H = D / 2;
   if (weight) check_weight(v, *weight, T);
