@@ -143,6 +143,23 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the backward passes the gradient through unchanged: every rank
+    computes the same loss from the sum, and the data-parallel gradient all-reduce later adds
+    the ranks' parts (torch.distributed.nn's all_reduce would sum them here already)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
@@ -300,15 +317,27 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()
         if scores is not None:
-            # Switch: E * sum_e f_e * P_e (f: routed fraction, no gradient; P: mean score).
-            f = counts.float() / max(T * K, 1)
-            p = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
-            self.aux_loss = self.aux_loss_coef * E * (f * p.mean(0)).sum()
+            self.aux_loss = self._switch_loss(scores, counts, T)
         else:
             self.aux_loss = None
         y = _mg.moe_finalize_routing(out_rows, row_idx, x1=self._shared(x), scales=weights,
                                  drop_pad_mode=mode, k=K)
         return y.reshape(shape)
+
+    def _switch_loss(self, scores: Tensor, counts: Tensor, T: int) -> Tensor:
+        """Switch: coef * E * sum_e f_e * P_e (f: fraction of the T*K slots routed to e, no
+        gradient; P: mean over tokens of the normalised score). With ep_group both are over the
+        tokens of every rank (L88), so the value equals the single-process one on each rank."""
+        E, K = self.num_experts, self.top_k
+        p_sum = (scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)).sum(0)
+        load = torch.cat([counts.to(torch.float64), counts.new_full((1,), T).to(torch.float64)])
+        if self.ep_group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(load, group=self.ep_group)
+            p_sum = _AllReduceSum.apply(p_sum, self.ep_group)
+        tokens = load[-1].clamp_min(1.0)           # a tensor: no host read, no graph break
+        f = (load[:-1] / (tokens * K)).to(p_sum.dtype)
+        return self.aux_loss_coef * E * (f * (p_sum / tokens.to(p_sum.dtype))).sum()
 
     # -- expert parallelism -----------------------------------------------------------------
     def _expert_parallel(self, ex: Tensor, counts: Tensor) -> Tensor:

@@ -99,8 +99,6 @@ class Validator {
   void index_dtype(const TensorView& t, const char* arg) const;
   // 161002 for non-contiguous views.
   void contiguous(const TensorView& t, const char* arg) const;
-  // contiguous() plus "device type equals `device`" (select_backend checks devices fully).
-  void layout(const TensorView& t, const char* arg, Device device) const;
   // Shape code unless rank == r.
   void rank(const TensorView& t, const char* arg, int r) const;
   void rank_in(const TensorView& t, const char* arg, int lo, int hi) const;

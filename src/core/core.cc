@@ -198,15 +198,6 @@ void Validator::contiguous(const TensorView& t, const char* arg) const {
   }
 }
 
-void Validator::layout(const TensorView& t, const char* arg, Device device) const {
-  contiguous(t, arg);
-  if (t.device != device) {
-    fail(kErrParamInvalid, arg,
-         cat("tensor must be on the same device as the first input (", device_str(device, 0),
-             "); got ", device_str(t.device, t.device_id)));
-  }
-}
-
 void require_index32(const char* op, const TensorView* t, const char* arg) {
   if (t != nullptr && t->dtype != DType::kInt32) {
     throw Error(kErrParamInvalid,

@@ -28,6 +28,12 @@ struct PlanBase {
   std::vector<OutputSpec> outputs;     // what the op writes, in output order
   std::vector<const char*> out_names;  // their argument names
 
+  // The plan runs on `on`'s device (select_backend has checked that every tensor agrees).
+  void place(const TensorView& on, bool outputs_given) {
+    device = on.device;
+    device_id = on.device_id;
+    bound = outputs_given;
+  }
   void add_output(const char* name, Shape shape, DType dtype, bool optional = false) {
     outputs.push_back(OutputSpec{std::move(shape), dtype, optional});
     out_names.push_back(name);

@@ -99,18 +99,6 @@ const int32_t* index32(const TensorView& t, int32_t* scratch) {
   return scratch;
 }
 
-void require_cpu(const char* op, const TensorView& t) {
-  if (t.device != Device::kCPU) {
-#ifdef MOEGRAD_WITH_CUDA
-    throw Error(kErrParamInvalid, cat(op, ": device: this operator has no CUDA kernel yet; "
-                                          "pass CPU tensors"));
-#else
-    throw Error(kErrParamInvalid, cat(op, ": device: CUDA tensors need a moegrad build with "
-                                          "MOEGRAD_WITH_CUDA=ON; this build is CPU-only"));
-#endif
-  }
-}
-
 void advise_output(const TensorView& t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;

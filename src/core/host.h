@@ -20,9 +20,6 @@ void check_index_range(const Validator& v, int32_t code, const TensorView& idx, 
 void check_index_unique(const Validator& v, int32_t code, const TensorView& idx, const char* arg,
                         int64_t hi);
 
-// The CPU kernels only run on host views (161002 otherwise).
-void require_cpu(const char* op, const TensorView& t);
-
 // Stage one: workspace for index32 (int64 tensors only; an empty slot for int32).
 Slot index_scratch(WorkspaceLayout& layout, const TensorView& t);
 // Stage two (CPU): the int32 values of an index tensor: its own data when int32, else its int64

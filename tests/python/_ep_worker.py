@@ -29,12 +29,16 @@ def main():
         lo, hi = c["splits"][rank], c["splits"][rank + 1]
         x = c["x"][lo:hi].clone().requires_grad_(True)
         y = m(x)
-        (y * c["up"][lo:hi]).sum().backward()
+        loss = (y * c["up"][lo:hi]).sum()
+        if m.aux_loss is not None:
+            loss = loss + m.aux_loss       # the global value, the same on every rank (L88)
+        loss.backward()
         all_reduce_non_expert_grads(m)
         m.update_bias()
         results.append(dict(y=y.detach(), x_grad=x.grad,
                             grads={n: p.grad for n, p in m.named_parameters()},
-                            bias=m.selection_bias.clone()))
+                            bias=m.selection_bias.clone(),
+                            aux=None if m.aux_loss is None else m.aux_loss.detach()))
     torch.save(results, f"{d}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -28,6 +28,9 @@ def _cases(seed):
         ("all to rank 0", dict(score="sigmoid", shared_experts=1, bias_update_speed=0.01),
          [0, 9, 19], "rank0"),
         ("rank 1 has no tokens", dict(score="softmax"), [0, 11, 11], None),
+        ("global aux loss", dict(score="softmax", aux_loss_coef=0.1), [0, 7, 19], None),
+        ("aux loss, rank 0 has no tokens", dict(score="sigmoid", aux_loss_coef=0.3),
+         [0, 0, 10], None),
     ]
     for name, kw, splits, special in specs:
         m = MoE(H, F_, E, K, **kw)
@@ -58,7 +61,10 @@ def test_two_rank_gloo_matches_single_process(tmp_path, seed):
         m.load_state_dict(c["state"])
         x = c["x"].clone().requires_grad_(True)
         y = m(x)
-        (y * c["up"]).sum().backward()
+        loss = (y * c["up"]).sum()
+        if m.aux_loss is not None:
+            loss = loss + m.aux_loss
+        loss.backward()
         m.update_bias()
         r0, r1 = ranks[0][i], ranks[1][i]
         what = c["name"]
@@ -73,6 +79,12 @@ def test_two_rank_gloo_matches_single_process(tmp_path, seed):
             assert torch.allclose(got, p.grad, rtol=1e-5, atol=1e-6), f"{what}: {n}"
         assert torch.equal(r0["bias"], m.selection_bias) and torch.equal(r1["bias"],
                                                                            m.selection_bias)
+        if m.aux_loss is not None:
+            # Over the tokens of both ranks: the single-process value on each rank (L88).
+            for r in (r0, r1):
+                assert torch.allclose(r["aux"], m.aux_loss.detach(), rtol=1e-6, atol=0), what
+        else:
+            assert r0["aux"] is None and r1["aux"] is None, what
         if what == "all to rank 0":
             El = m.num_local_experts
             assert torch.count_nonzero(r1["grads"]["w_up"]) == 0

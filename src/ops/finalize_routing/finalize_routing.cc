@@ -155,9 +155,7 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   p.rows = rows;
   p.num_bias = bias ? bias->shape[0] : 0;
   p.row_layout = mode >= 2;
-  p.device = ex->device;
-  p.device_id = ex->device_id;
-  p.bound = with_outputs;
+  p.place(*ex, with_outputs);
   p.add_output("out", {R, H}, ex->dtype);
   return p;
 }
@@ -317,9 +315,7 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   p.grad_expanded_x_shape = gex_shape;
   p.grad_scales_shape = gs_shape;
   p.grad_scales_dtype = gs_dtype;
-  p.device = gy->device;
-  p.device_id = gy->device_id;
-  p.bound = with_outputs;
+  p.place(*gy, with_outputs);
   p.add_output("grad_expanded_x", gex_shape, gy->dtype);
   p.add_output("grad_scales", gs_shape, gs_dtype);
   return p;
@@ -383,9 +379,7 @@ FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
   p.K = K;
   p.H = H;
   p.E = E;
-  p.device = gy->device;
-  p.device_id = gy->device_id;
-  p.bound = with_outputs;
+  p.place(*gy, with_outputs);
   p.add_output("grad_bias", {E, H}, gy->dtype);
   return p;
 }

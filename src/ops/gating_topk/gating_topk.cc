@@ -101,9 +101,7 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
   p.M = M;
   p.N = N;
   p.grouped = grouped;
-  p.device = x->device;
-  p.device_id = x->device_id;
-  p.bound = with_outputs;
+  p.place(*x, with_outputs);
   p.add_output("y", {M, a.k}, x->dtype);
   p.add_output("expert_idx", {M, a.k}, DType::kInt32);
   p.add_output("norm_out", {M, N}, DType::kFloat32);
@@ -174,9 +172,7 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   p.M = M;
   p.N = N;
   p.K = K;
-  p.device = x_norm->device;
-  p.device_id = x_norm->device_id;
-  p.bound = with_outputs;
+  p.place(*x_norm, with_outputs);
   p.add_output("grad_x", {M, N}, grad_y->dtype);
   return p;
 }

@@ -174,9 +174,7 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     if (tok) p.expert_tokens = *tok;
   }
   p.has_tokens = a.expert_tokens_num_flag;
-  p.device = x->device;
-  p.device_id = x->device_id;
-  p.bound = with_outputs;
+  p.place(*x, with_outputs);
   p.add_output("expanded_x", ex_shape, x->dtype);
   p.add_output("expanded_row_idx", {N}, DType::kInt32);
   p.add_output("expert_tokens_count_or_cumsum", tok_shape,
@@ -263,9 +261,7 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
   p.grad_expanded_x = *gex;
   p.expanded_row_idx = *idx;
   if (with_outputs) p.grad_x = *gx;
-  p.device = gex->device;
-  p.device_id = gex->device_id;
-  p.bound = with_outputs;
+  p.place(*gex, with_outputs);
   p.add_output("grad_x", {R, H}, gex->dtype);
   p.R = R;
   p.K = K;

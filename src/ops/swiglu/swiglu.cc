@@ -102,9 +102,7 @@ SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
   p.has_group_index = group_index != nullptr;
   p.T = T;
   p.H = D / 2;
-  p.device = x->device;
-  p.device_id = x->device_id;
-  p.bound = with_outputs;
+  p.place(*x, with_outputs);
   p.add_output("y", p.y_shape, x->dtype);
   return p;
 }
@@ -192,9 +190,7 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   p.has_group_index = group_index != nullptr;
   p.T = T;
   p.H = D / 2;
-  p.device = x->device;
-  p.device_id = x->device_id;
-  p.bound = with_outputs;
+  p.place(*x, with_outputs);
   p.add_output("grad_x", p.grad_x_shape, x->dtype);
   p.add_output("grad_weight", p.grad_weight_shape, DType::kFloat32, true);
   return p;
@@ -335,9 +331,7 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
   p.T = T;
   p.H = H;
   p.blocks = blocks;
-  p.device = x->device;
-  p.device_id = x->device_id;
-  p.bound = with_outputs;
+  p.place(*x, with_outputs);
   p.add_output("y", p.y_shape, y_dt);
   p.add_output("y_scale", p.y_scale_shape, s_dt);
   p.add_output("y_origin", p.y_origin_shape, x->dtype, !a.output_origin);
