@@ -1,5 +1,5 @@
 // Google Benchmark of the moegrad CPU kernels through the C++ API (plan_* once, then
-// Executor::run in the timed loop), at DeepSeek-V3 and GPT-OSS shapes, fp32 and bf16, on 1 and 2
+// Executor::run in the timed loop), at DeepSeek-V3 and GPT-OSS shapes, fp32, bf16 and fp16, on 1 and 2
 // threads. The Python harness (python -m moegrad.bench, docs/performance.md) is the reference
 // benchmark with baselines; this binary isolates the kernels from Python and dispatch overhead.
 //
@@ -114,6 +114,13 @@ struct Buffer {
   T* as() { return reinterpret_cast<T*>(p.get()); }
 };
 
+uint16_t to_f16(float f) {  // round to nearest even (the compiler's conversion)
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+
 uint16_t to_bf16(float f) {  // round to nearest even
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -129,6 +136,10 @@ size_t elem_size(DType dt) {
       return 4;
     case DType::kInt64:
       return 8;
+    case DType::kFloat8E4M3FN:
+    case DType::kFloat8E5M2:
+    case DType::kUInt8:
+      return 1;
     default:
       return 2;
   }
@@ -162,6 +173,8 @@ struct Tensor {
     const int64_t n = numel();
     if (view.dtype == DType::kFloat32) {
       for (int64_t i = 0; i < n; ++i) buf.as<float>()[i] = r.uniform(lo, hi);
+    } else if (view.dtype == DType::kFloat16) {
+      for (int64_t i = 0; i < n; ++i) buf.as<uint16_t>()[i] = to_f16(r.uniform(lo, hi));
     } else {
       for (int64_t i = 0; i < n; ++i) buf.as<uint16_t>()[i] = to_bf16(r.uniform(lo, hi));
     }
@@ -190,7 +203,8 @@ enum class Op {
   kFinalizeRouting,
   kFinalizeRoutingGrad,
   kSwiglu,
-  kSwigluGrad
+  kSwigluGrad,
+  kSwigluQuant
 };
 const char* op_name(Op op) {
   switch (op) {
@@ -200,6 +214,7 @@ const char* op_name(Op op) {
     case Op::kFinalizeRoutingGrad: return "moe_finalize_routing_grad";
     case Op::kSwiglu: return "swiglu_group";
     case Op::kSwigluGrad: return "swiglu_group_quant_backward";
+    case Op::kSwigluQuant: return "swiglu_group_quant";
   }
   return "?";
 }
@@ -304,6 +319,24 @@ std::unique_ptr<Set> make_set(Op op, const Model& m, DType dt, int64_t T, uint64
                                                         &gex->view, &gsc->view);
       break;
     }
+    case Op::kSwigluQuant: {
+      // FP8 e4m3fn blocks of 128 with fp32 scales (quant_mode 0), as in the Python harness.
+      Tensor* x = s->add(dt, {Tk, 2 * F});
+      Tensor* w = s->add(DType::kFloat32, {Tk});
+      Tensor* gi = s->add(DType::kInt64, {E});
+      x->fill_uniform(r, m.clamp > 0 ? -9.f : -4.f, m.clamp > 0 ? 9.f : 4.f);
+      w->fill_uniform(r, 0.f, 1.f);
+      int64_t* g = gi->buf.as<int64_t>();
+      std::fill(g, g + E, int64_t{0});
+      for (int64_t i = 0; i < Tk; ++i) ++g[r.next() % static_cast<uint64_t>(E)];
+      Tensor* y = s->add(DType::kFloat8E4M3FN, {Tk, F});
+      Tensor* ys = s->add(DType::kFloat32, {Tk, (F + 127) / 128});
+      moegrad::SwigluQuantAttrs a;
+      a.clamp_limit = m.clamp;
+      s->exec = moegrad::plan_swiglu_group_quant(&x->view, &w->view, &gi->view, nullptr, a,
+                                                 &y->view, &ys->view, nullptr);
+      break;
+    }
     case Op::kSwiglu:
     case Op::kSwigluGrad: {
       const bool grad = op == Op::kSwigluGrad;
@@ -396,9 +429,10 @@ std::vector<int64_t> parse_tokens(int* argc, char** argv) {
 int main(int argc, char** argv) {
   const std::vector<int64_t> tokens = parse_tokens(&argc, argv);
   const Op ops[] = {Op::kGatingTopK, Op::kGatingTopKBackward, Op::kFinalizeRouting,
-                    Op::kFinalizeRoutingGrad, Op::kSwiglu, Op::kSwigluGrad};
-  const std::pair<DType, const char*> dtypes[] = {{DType::kFloat32, "fp32"},
-                                                  {DType::kBFloat16, "bf16"}};
+                    Op::kFinalizeRoutingGrad, Op::kSwiglu, Op::kSwigluGrad,
+                    Op::kSwigluQuant};
+  const std::pair<DType, const char*> dtypes[] = {
+      {DType::kFloat32, "fp32"}, {DType::kBFloat16, "bf16"}, {DType::kFloat16, "fp16"}};
   for (Op op : ops) {
     for (const Model& m : kModels) {
       for (const auto& d : dtypes) {

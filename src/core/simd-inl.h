@@ -18,6 +18,49 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
+// Once per translation unit (not per target): whether this CPU has AVX512-BF16.
+#ifndef MOEGRAD_CORE_SIMD_ONCE_H_
+#define MOEGRAD_CORE_SIMD_ONCE_H_
+#include <atomic>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+namespace moegrad {
+namespace simd_detail {
+inline bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  return ((a >> 5) & 1u) != 0;  // CPUID.(EAX=7,ECX=1):EAX[5] = AVX512_BF16
+#else
+  return false;
+#endif
+}
+// Whether the AVX-512 targets narrow bf16 with VCVTNEPS2BF16. Set once at load from CPUID; the
+// conversion tests clear it to run the portable path on the same target (both give the same
+// bits).
+inline std::atomic<bool> use_avx512bf16{cpu_has_avx512bf16()};
+}  // namespace simd_detail
+}  // namespace moegrad
+#endif  // MOEGRAD_CORE_SIMD_ONCE_H_
+
+// Per target: x86 AVX-512 (Highway's AVX3 family) and x86 with F16C (AVX2 and up).
+#undef MOEGRAD_SIMD_AVX512
+#undef MOEGRAD_SIMD_F16C
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#define MOEGRAD_SIMD_AVX512 1
+#else
+#define MOEGRAD_SIMD_AVX512 0
+#endif
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+#define MOEGRAD_SIMD_F16C 1
+#else
+#define MOEGRAD_SIMD_F16C 0
+#endif
+#if MOEGRAD_SIMD_AVX512
+#include <immintrin.h>
+#endif
+
 HWY_BEFORE_NAMESPACE();
 namespace moegrad {
 namespace HWY_NAMESPACE {
@@ -36,27 +79,21 @@ inline size_t padded(size_t n) {
   return (n + lanes - 1) / lanes * lanes;
 }
 
-// Widening / narrowing of one chunk. Plain loops: the compiler vectorises them for the current
-// target (F16C conversions, integer bf16 rounding).
-template <typename T>
-HWY_INLINE void load_chunk(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = to_f32(src[i]);
-}
-template <typename T>
-HWY_INLINE void store_chunk(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = from_f32<T>(src[i]);
-}
-
 // Vector loads/stores of T widened to / narrowed from fp32 in registers, for the element types
-// whose conversion is exact or correctly rounded on every target: float, and bf16 (integer
-// round-to-nearest-even). fp16 goes through load_chunk/store_chunk (Highway's software fp16
-// demotion on targets without F16C truncates).
+// whose conversion is exact or correctly rounded on this target: float; bf16 (widened by a
+// shift, narrowed with round-to-nearest-even); fp16 on x86 targets with F16C (AVX2 and up:
+// VCVTPH2PS / VCVTPS2PH with an immediate round-to-nearest-even). Elsewhere fp16 goes through
+// load_chunk/store_chunk (Highway's software fp16 demotion truncates).
 template <typename T>
 struct InRegister : std::false_type {};
 template <>
 struct InRegister<float> : std::true_type {};
 template <>
 struct InRegister<bf16_t> : std::true_type {};
+#if MOEGRAD_SIMD_F16C
+template <>
+struct InRegister<half_t> : std::true_type {};
+#endif
 
 HWY_INLINE VF LoadF(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
 HWY_INLINE VF LoadF(DF d, const bf16_t* HWY_RESTRICT p) {
@@ -66,17 +103,108 @@ HWY_INLINE VF LoadF(DF d, const bf16_t* HWY_RESTRICT p) {
   return hn::BitCast(d, hn::ShiftLeft<16>(bits));
 }
 HWY_INLINE void StoreF(DF d, VF v, float* HWY_RESTRICT p) { hn::StoreU(v, d, p); }
-HWY_INLINE void StoreF(DF /*d*/, VF v, bf16_t* HWY_RESTRICT p) {
+
+using VU16 = hn::Vec<hn::Rebind<uint16_t, DF>>;
+
+// fp32 -> bf16 bits. VCVTNEPS2BF16 (AVX512-BF16) rounds to nearest even and quiets NaN exactly
+// like the portable path, but flushes denormal inputs to zero: vectors with a denormal lane
+// (rare) take the portable path. Inline assembly, so the target needs no extra compiler flag;
+// used where CPUID reports the instruction (docs/decisions.md L70).
+HWY_INLINE VU16 Bf16Bits(DF d, VF v) {
+  const hn::Rebind<uint16_t, DF> du16;
+#if MOEGRAD_SIMD_AVX512
+  if (simd_detail::use_avx512bf16.load(std::memory_order_relaxed)) {
+    const __m512 raw = v.raw;
+    if (_mm512_fpclass_ps_mask(raw, 0x20) == 0) {  // 0x20: denormal
+      __m256i r;
+      asm("vcvtneps2bf16 {%1, %0|%0, %1}" : "=v"(r) : "v"(raw));
+      return VU16{r};
+    }
+  }
+#endif
   const hn::RebindToUnsigned<DF> du32;
   const hn::RebindToSigned<DF> di32;
-  const hn::Rebind<uint16_t, DF> du16;
   const auto u = hn::BitCast(du32, v);
   const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u));
   auto r = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du32, 0x7fffu), lsb)));
   const auto quiet = hn::Or(hn::ShiftRight<16>(u), hn::Set(du32, 0x40u));
   r = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet, r);
-  hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, r)), du16, reinterpret_cast<uint16_t*>(p));
+  (void)d;
+  return hn::DemoteTo(du16, hn::BitCast(di32, r));
 }
+
+HWY_INLINE void StoreF(DF d, VF v, bf16_t* HWY_RESTRICT p) {
+  const hn::Rebind<uint16_t, DF> du16;
+  hn::StoreU(Bf16Bits(d, v), du16, reinterpret_cast<uint16_t*>(p));
+}
+
+#if MOEGRAD_SIMD_F16C
+HWY_INLINE VF LoadF(DF d, const half_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+}
+HWY_INLINE void StoreF(DF d, VF v, half_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  (void)d;
+  hn::StoreU(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
+}
+#endif
+
+// Non-temporal StoreF, for kernel outputs that are not read again soon (no read-for-ownership
+// of the destination lines). p must be aligned to Lanes(d) * sizeof(T) (kStreamAlign<T>); on
+// targets where the narrowed vector is not a whole register it is a plain StoreF. Call
+// hwy::FlushStream() before the data is handed to another thread.
+template <typename T>
+constexpr size_t kStreamAlign = sizeof(T) * hn::MaxLanes(DF());
+template <typename T>
+HWY_INLINE bool StreamAligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % kStreamAlign<T> == 0;
+}
+HWY_INLINE void StreamF(DF d, VF v, float* HWY_RESTRICT p) { hn::Stream(v, d, p); }
+HWY_INLINE void StreamF(DF d, VF v, bf16_t* HWY_RESTRICT p) {
+#if MOEGRAD_SIMD_F16C  // x86 AVX2 and up: 16 or 32 bytes, a whole register
+  const hn::Rebind<uint16_t, DF> du16;
+  hn::Stream(Bf16Bits(d, v), du16, reinterpret_cast<uint16_t*>(p));
+#else
+  StoreF(d, v, p);
+#endif
+}
+#if MOEGRAD_SIMD_F16C
+HWY_INLINE void StreamF(DF d, VF v, half_t* HWY_RESTRICT p) {
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  (void)d;
+  hn::Stream(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
+}
+#endif
+
+// Widening / narrowing of one chunk: whole vectors in registers where InRegister<T>, the rest
+// (and every element of the other types) with the scalar conversions of core/dtype.h.
+template <typename T>
+HWY_INLINE void load_chunk(const T* HWY_RESTRICT src, float* HWY_RESTRICT dst, size_t n) {
+  size_t i = 0;
+  if constexpr (InRegister<T>::value) {
+    const DF d;
+    const size_t N = hn::Lanes(d);
+    for (; i + N <= n; i += N) hn::StoreU(LoadF(d, src + i), d, dst + i);
+  }
+  for (; i < n; ++i) dst[i] = to_f32(src[i]);
+}
+template <typename T>
+HWY_INLINE void store_chunk(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, size_t n) {
+  size_t i = 0;
+  if constexpr (InRegister<T>::value) {
+    const DF d;
+    const size_t N = hn::Lanes(d);
+    for (; i + N <= n; i += N) StoreF(d, hn::LoadU(d, src + i), dst + i);
+  }
+  for (; i < n; ++i) dst[i] = from_f32<T>(src[i]);
+}
+
+// Whether a kernel output of `bytes` goes out with non-temporal stores: only when it is too big
+// to stay in the last-level cache for its consumer anyway (a few MiB and up); smaller outputs
+// are stored normally and stay cached.
+constexpr int64_t kStreamOutputMinBytes = int64_t{8} << 20;
+inline bool stream_output(int64_t bytes) { return bytes >= kStreamOutputMinBytes; }
 
 // Like store_chunk, for destinations that are not read again soon (kernel outputs): whole
 // aligned vectors go out with non-temporal stores, which skip the read-for-ownership of each
@@ -104,17 +232,63 @@ HWY_INLINE void stream_chunk(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst,
   for (size_t i = 0; i < bytes; i += vbytes) hn::Stream(hn::LoadU(du8, from + i), du8, to + i);
 }
 
-// Stable logistic function: exp of a non-positive argument only, so no overflow; exact 0/1 at
-// the extremes; NaN propagates.
-HWY_INLINE VF Sigmoid(DF d, VF x) {
-  const VF one = hn::Set(d, 1.0f);
-  const VF e = hn::Exp(d, hn::Neg(hn::Abs(x)));
-  const VF num = hn::IfThenElse(hn::Ge(x, hn::Zero(d)), one, e);
-  return hn::IfThenElse(hn::IsNaN(x), x, hn::Div(num, hn::Add(one, e)));
+// exp(x) for x in [-104, 89] (the callers clamp; NaN passes the clamps on x86 and is blended
+// back by the callers anyway): n = round(x / ln 2) by the 1.5 * 2^23 trick, r = x - n ln 2 in
+// two FMA steps (Cody-Waite), e^r by the degree-7 polynomial of Highway / SLEEF (about 1 ulp on
+// |r| <= ln2 / 2), times 2^n: VSCALEFPS on AVX-512 (one rounding, denormal results included),
+// elsewhere two exact power-of-two multiplies (the second one rounds). Max error measured over
+// the whole float range: docs/decisions.md L71.
+HWY_INLINE VF ExpClamped(DF d, VF x) {
+  const VF magic = hn::Set(d, 12582912.0f);  // 1.5 * 2^23
+  const VF k = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), magic);
+  const VF n = hn::Sub(k, magic);
+  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);
+  r = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), r);
+  VF u = hn::Set(d, 0.000198527617612853646278381f);
+  u = hn::MulAdd(u, r, hn::Set(d, 0.00139304355252534151077271f));
+  u = hn::MulAdd(u, r, hn::Set(d, 0.00833336077630519866943359f));
+  u = hn::MulAdd(u, r, hn::Set(d, 0.0416664853692054748535156f));
+  u = hn::MulAdd(u, r, hn::Set(d, 0.166666671633720397949219f));
+  u = hn::MulAdd(u, r, hn::Set(d, 0.5f));
+  const VF p = hn::Add(hn::MulAdd(hn::Mul(r, r), u, r), hn::Set(d, 1.0f));
+#if MOEGRAD_SIMD_AVX512
+  return VF{_mm512_scalef_ps(p.raw, n.raw)};
+#else
+  const hn::RebindToSigned<DF> di;
+  const auto ni = hn::Sub(hn::BitCast(di, k), hn::BitCast(di, magic));  // n as int32
+  const auto h = hn::ShiftRight<1>(ni);
+  const auto bias = hn::Set(di, 127);
+  const VF s1 = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(h, bias)));
+  const VF s2 = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(hn::Sub(ni, h), bias)));
+  return hn::Mul(hn::Mul(p, s1), s2);
+#endif
 }
 
-// exp(x), NaN-propagating (Highway's Exp maps NaN to 0).
-HWY_INLINE VF ExpNaN(DF d, VF x) { return hn::IfThenElse(hn::IsNaN(x), x, hn::Exp(d, x)); }
+// exp(x), NaN-propagating: 0 below -104 (the true value rounds to 0 below about -103.97), inf
+// above 89 (overflow from about 88.72).
+HWY_INLINE VF ExpNaN(DF d, VF x) {
+  const VF xc = hn::Min(hn::Set(d, 89.0f), hn::Max(hn::Set(d, -104.0f), x));
+  return hn::IfThenElse(hn::IsNaN(x), x, ExpClamped(d, xc));
+}
+
+// Stable logistic function: exp of a non-positive argument only, so no overflow; exact 0/1 at
+// the extremes; NaN propagates. On AVX-512 the division is VRCP14PS and one Newton step (error
+// well under an ulp of the quotient); elsewhere a division.
+HWY_INLINE VF Sigmoid(DF d, VF x) {
+  const VF one = hn::Set(d, 1.0f);
+  const VF t = hn::Max(hn::Set(d, -104.0f), hn::Neg(hn::Abs(x)));
+  const VF e = ExpClamped(d, t);
+  const VF den = hn::Add(one, e);
+  const VF num = hn::IfThenElse(hn::Ge(x, hn::Zero(d)), one, e);
+#if MOEGRAD_SIMD_AVX512
+  const VF y0 = hn::ApproximateReciprocal(den);
+  const VF q0 = hn::Mul(num, y0);
+  const VF q = hn::MulAdd(q0, hn::NegMulAdd(den, y0, one), q0);
+#else
+  const VF q = hn::Div(num, den);
+#endif
+  return hn::IfThenElse(hn::IsNaN(x), x, q);
+}
 
 // sqrt(log(1 + exp(x))) without overflow.
 HWY_INLINE VF SqrtSoftplus(DF d, VF x) {

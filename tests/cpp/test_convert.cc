@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "convert_inputs.h"
 #include "core/convert.h"
 
 namespace {
@@ -32,36 +33,6 @@ _Float16 half_from(uint16_t u) {
   _Float16 h;
   std::memcpy(&h, &u, 2);
   return h;
-}
-
-// Every float tested for narrowing: a dense sweep (every 4099th bit pattern, so every exponent
-// and a spread of mantissas), the neighbourhoods of every fp16/bf16 rounding boundary and tie,
-// and the specials.
-std::vector<uint32_t> narrowing_inputs() {
-  std::vector<uint32_t> v;
-  for (uint64_t u = 0; u <= 0xffffffffull; u += 4099) v.push_back(static_cast<uint32_t>(u));
-  for (uint32_t h = 0; h < 0x10000; ++h) {
-    // fp16 value h widened, and the halfway points to its neighbours (ties), +-1 ulp.
-    const uint32_t f = bits(static_cast<float>(half_from(static_cast<uint16_t>(h))));
-    const uint32_t b = static_cast<uint32_t>(h) << 16;  // bf16 value h widened
-    for (uint32_t base : {f, b}) {
-      for (int d = -2; d <= 2; ++d) v.push_back(base + static_cast<uint32_t>(d));
-    }
-    v.push_back(b | 0x8000u);  // bf16 tie
-    v.push_back((b | 0x8000u) + 1u);
-    v.push_back((b | 0x8000u) - 1u);
-  }
-  for (float s : {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
-                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max(),
-                  std::numeric_limits<float>::min(), std::numeric_limits<float>::denorm_min(),
-                  65504.0f, 65519.99f, 65520.0f, 5.9604645e-08f, 2.9802322e-08f}) {
-    v.push_back(bits(s));
-    v.push_back(bits(-s));
-  }
-  for (uint32_t nan : {0x7fc00000u, 0x7f800001u, 0x7fbfffffu, 0xffc00001u, 0x7fffffffu}) {
-    v.push_back(nan);
-  }
-  return v;
 }
 
 // Round-to-nearest-even of a finite float to bf16, computed with double arithmetic.
@@ -108,7 +79,7 @@ TEST(Convert, Bf16WideningIsExactForAll65536) {
 
 TEST(Convert, Fp16NarrowingMatchesTheCompiler) {
   int64_t n = 0;
-  for (uint32_t u : narrowing_inputs()) {
+  for (uint32_t u : moegrad_test::narrowing_inputs()) {
     const float f = from_bits(u);
     const uint16_t want = half_bits(static_cast<_Float16>(f));
     const uint16_t got = moegrad::f32_to_f16_bits(f);
@@ -125,7 +96,7 @@ TEST(Convert, Fp16NarrowingMatchesTheCompiler) {
 }
 
 TEST(Convert, Bf16NarrowingIsRoundToNearestEven) {
-  for (uint32_t u : narrowing_inputs()) {
+  for (uint32_t u : moegrad_test::narrowing_inputs()) {
     const float f = from_bits(u);
     const uint16_t got = moegrad::f32_to_bf16_bits(f);
     if (std::isnan(f)) {

@@ -42,6 +42,7 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   T* y = typed<T>(p.y);
   const Clamp clamp(d, p.clamp);
+  const bool stream = stream_output(p.T * H * static_cast<int64_t>(sizeof(T)));
   std::fill(buf, buf + 4 * kChunk, 0.0f);
   float* a = buf;
   float* b = a + kChunk;
@@ -63,9 +64,16 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
     };
     int64_t h0 = 0;
     if constexpr (InRegister<T>::value) {
-      // Whole vectors straight from and to memory; the tail goes through the chunk path.
-      for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
-        StoreF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
+      // Whole vectors straight from and to memory (non-temporal stores where the row is
+      // aligned); the tail goes through the chunk path.
+      if (stream && StreamAligned(yr)) {
+        for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+          StreamF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
+        }
+      } else {
+        for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+          StoreF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
+        }
       }
     }
     for (; h0 < H; h0 += kChunk) {
@@ -75,7 +83,11 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
       for (size_t i = 0; i < padded(n); i += N) {
         hn::Store(f(hn::Load(d, a + i), hn::Load(d, b + i)), d, o + i);
       }
-      stream_chunk(o, yr + h0, n, stage);
+      if (stream) {
+        stream_chunk(o, yr + h0, n, stage);
+      } else {
+        store_chunk(o, yr + h0, n);
+      }
     }
   }
   hwy::FlushStream();
@@ -96,6 +108,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
   float* gw = want_gw ? typed<float>(p.grad_weight) : nullptr;
   const Clamp clamp(d, p.clamp);
   const VF one = hn::Set(d, 1.0f);
+  const bool stream = stream_output(p.T * 2 * H * static_cast<int64_t>(sizeof(T)));
   std::fill(buf, buf + 6 * kChunk, 0.0f);
   float* a = buf;
   float* b = a + kChunk;
@@ -131,12 +144,22 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
     };
     int64_t h0 = 0;
     if constexpr (InRegister<T>::value) {
-      // Whole vectors straight from and to memory; the tail goes through the chunk path.
-      for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
-        VF vga, vgb;
-        f(LoadF(d, x0 + h0), LoadF(d, x1 + h0), LoadF(d, gyr + h0), vga, vgb);
-        StoreF(d, vga, g0 + h0);
-        StoreF(d, vgb, g0 + H + h0);
+      // Whole vectors straight from and to memory (non-temporal stores where both halves of
+      // the grad_x row are aligned); the tail goes through the chunk path.
+      if (stream && StreamAligned(g0) && StreamAligned(g0 + H)) {
+        for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+          VF vga, vgb;
+          f(LoadF(d, x0 + h0), LoadF(d, x1 + h0), LoadF(d, gyr + h0), vga, vgb);
+          StreamF(d, vga, g0 + h0);
+          StreamF(d, vgb, g0 + H + h0);
+        }
+      } else {
+        for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+          VF vga, vgb;
+          f(LoadF(d, x0 + h0), LoadF(d, x1 + h0), LoadF(d, gyr + h0), vga, vgb);
+          StoreF(d, vga, g0 + h0);
+          StoreF(d, vgb, g0 + H + h0);
+        }
       }
     }
     for (; h0 < H; h0 += kChunk) {
@@ -150,8 +173,13 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
         hn::Store(vga, d, ga + i);
         hn::Store(vgb, d, gb + i);
       }
-      stream_chunk(ga, g0 + h0, n, stage);
-      stream_chunk(gb, g0 + H + h0, n, stage);
+      if (stream) {
+        stream_chunk(ga, g0 + h0, n, stage);
+        stream_chunk(gb, g0 + H + h0, n, stage);
+      } else {
+        store_chunk(ga, g0 + h0, n);
+        store_chunk(gb, g0 + H + h0, n);
+      }
     }
     if (gw) {
       const T* yr = yo + t * H;
