@@ -3,10 +3,9 @@
 // from fp32 in registers, their non-temporal and partial (row tail) forms, and a dot product
 // with a fixed summation order. Included after core/simd-inl.h, once per Highway target.
 //
-// Conversions: fp32 and bf16 use LoadF/StoreF of core/simd-inl.h. fp16 uses the F16C
-// instructions (vcvtph2ps / vcvtps2ph, exact widening and round-to-nearest-even narrowing,
-// like the scalar conversions of core/convert.h) on x86 targets that have them; elsewhere it
-// goes through the scalar conversions one vector at a time.
+// Conversions: those of core/simd-inl.h (LoadF, Bf16Bits; fp16 with F16C, exact widening and
+// round-to-nearest-even narrowing like the scalar conversions of core/convert.h, on x86 targets
+// that have it); elsewhere fp16 goes through the scalar conversions one vector at a time.
 #if defined(MOEGRAD_CORE_ROWS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MOEGRAD_CORE_ROWS_INL_H_
 #undef MOEGRAD_CORE_ROWS_INL_H_
@@ -32,24 +31,19 @@ namespace rows {
 namespace hn = hwy::HWY_NAMESPACE;
 
 #undef MOEGRAD_ROWS_F16C
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
-#define MOEGRAD_ROWS_F16C 1
-#else
-#define MOEGRAD_ROWS_F16C 0
-#endif
+#define MOEGRAD_ROWS_F16C MOEGRAD_SIMD_F16C  // fp16 in registers (core/simd-inl.h)
 
-// Lanes(d) elements of T at p (any alignment), widened to fp32.
-HWY_INLINE VF LoadWide(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
-HWY_INLINE VF LoadWide(DF d, const bf16_t* HWY_RESTRICT p) { return LoadF(d, p); }
-HWY_INLINE VF LoadWide(DF d, const half_t* HWY_RESTRICT p) {
-#if MOEGRAD_ROWS_F16C
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
-#else
-  HWY_ALIGN float buf[kMaxFloatLanes];
-  for (size_t i = 0; i < hn::Lanes(d); ++i) buf[i] = to_f32(p[i]);
-  return hn::Load(d, buf);
-#endif
+// Lanes(d) elements of T at p (any alignment), widened to fp32: LoadF of core/simd-inl.h where
+// the conversion is in registers on this target, else the scalar conversions.
+template <typename T>
+HWY_INLINE VF LoadWide(DF d, const T* HWY_RESTRICT p) {
+  if constexpr (InRegister<T>::value) {
+    return LoadF(d, p);
+  } else {
+    HWY_ALIGN float buf[kMaxFloatLanes];
+    for (size_t i = 0; i < hn::Lanes(d); ++i) buf[i] = to_f32(p[i]);
+    return hn::Load(d, buf);
+  }
 }
 
 // The narrowed vector of T (T = float: v itself), and its tag.
@@ -63,18 +57,8 @@ struct Narrow<float> {
 template <>
 struct Narrow<bf16_t> {
   using D = hn::Rebind<uint16_t, DF>;
-  // Round to nearest even; NaN stays a quiet NaN (the bits of StoreF and of core/convert.h).
-  static HWY_INLINE hn::Vec<D> Of(DF d, VF v) {
-    const hn::RebindToUnsigned<DF> du32;
-    const hn::RebindToSigned<DF> di32;
-    const auto u = hn::BitCast(du32, v);
-    const auto lsb = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u));
-    auto r = hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du32, 0x7fffu), lsb)));
-    const auto quiet = hn::Or(hn::ShiftRight<16>(u), hn::Set(du32, 0x40u));
-    r = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet, r);
-    (void)d;
-    return hn::DemoteTo(D(), hn::BitCast(di32, r));
-  }
+  // Round to nearest even, NaN quieted: the bits of StoreF (Bf16Bits of core/simd-inl.h).
+  static HWY_INLINE hn::Vec<D> Of(DF d, VF v) { return Bf16Bits(d, v); }
 };
 #if MOEGRAD_ROWS_F16C
 template <>
