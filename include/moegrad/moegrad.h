@@ -109,8 +109,9 @@ class MOEGRAD_API Executor {
   virtual void run(void* workspace, uint64_t workspace_bytes, void* stream) = 0;
   // Binds outputs[0..n) (n == outputs().size()) and runs: the plan_* form for plans made
   // without outputs (prepare_*). Each output is checked in O(1) against outputs(): present
-  // (unless optional), dtype, shape, contiguous, same device. Not for concurrent use of one
-  // executor.
+  // (unless optional), dtype, shape, contiguous, same device. One run at a time per executor:
+  // a run (either form) started while another thread runs the same executor throws
+  // Error(161002) naming the executor; destroying it during a run is the owner's error.
   virtual void run(const TensorView* const* outputs, size_t n, void* workspace,
                    uint64_t workspace_bytes, void* stream) = 0;
 };

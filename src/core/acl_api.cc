@@ -3,9 +3,11 @@
 
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "core/check.h"
 
@@ -13,44 +15,72 @@
 #include <cuda_runtime_api.h>
 #endif
 
-struct aclOpExecutor {
-  moegrad::ExecutorPtr impl;
-  bool repeatable = false;  // both fields are guarded by the registry mutex
-  bool running = false;     // a repeatable executor's stage two is in progress
-};
-
 namespace moegrad {
 
 namespace {
 
 thread_local std::string t_last_error;
 
+// What an aclOpExecutor* handle stands for. The handle itself is never dereferenced: it is a
+// serial number (docs/decisions.md L83) looked up in the registry, so a consumed or destroyed
+// handle stays unknown for the life of the process, even after its memory was reused by a
+// later executor (a freed address would be handed out again, a serial never is).
+struct ExecutorEntry {
+  ExecutorPtr impl;
+  bool repeatable = false;  // both flags are guarded by the registry mutex
+  bool running = false;     // a repeatable executor's stage two is in progress
+};
+
 std::mutex g_registry_mutex;
-std::unordered_set<aclOpExecutor*>& registry() {
-  static auto* r = new std::unordered_set<aclOpExecutor*>();  // never destroyed: no exit races
+std::unordered_map<uint64_t, std::unique_ptr<ExecutorEntry>>& registry() {
+  // never destroyed: no exit races with threads still calling in
+  static auto* r = new std::unordered_map<uint64_t, std::unique_ptr<ExecutorEntry>>();
   return *r;
+}
+uint64_t g_next_serial = 1;  // guarded by the registry mutex; never reused
+
+// Handles are 8-aligned values with the top byte 0x4D ('M'): a non-canonical address on x86-64
+// and AArch64, so no real pointer equals one, and a stray pointer passed as an executor is an
+// unknown key rather than a match. The serial sits in bits 3..55.
+constexpr uint64_t kHandleTag = uint64_t{0x4D} << 56;
+constexpr uint64_t kSerialMask = (uint64_t{1} << 53) - 1;
+static_assert(sizeof(uintptr_t) == 8, "executor handles are 64-bit values");
+
+aclOpExecutor* handle_of(uint64_t serial) {
+  return reinterpret_cast<aclOpExecutor*>(static_cast<uintptr_t>(kHandleTag | (serial << 3)));
+}
+// The registry key of a handle; 0 (never a serial) for anything that is not one.
+uint64_t serial_of(const aclOpExecutor* h) {
+  const uint64_t v = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(h));
+  if ((v & ~(kSerialMask << 3)) != kHandleTag) return 0;
+  return v >> 3 & kSerialMask;
 }
 
 // Every check-then-act on an executor happens under the registry lock, so executors shared
 // across threads give a status, never a use-after-free or a double free: a one-shot executor is
 // taken out of the registry by exactly one caller; a repeatable one is marked running, and a
-// second concurrent run, a destroy or a repeatable switch during a run are refused.
+// second concurrent run or a destroy during a run are refused.
 enum class Use { kUnknown, kBusy, kOneShot, kRepeatable };
 
-Use begin_run(aclOpExecutor* e) {
+// On kOneShot `owned` receives the entry (out of the registry); on kRepeatable `entry` points to
+// it (it stays registered, marked running, until end_run).
+Use begin_run(const aclOpExecutor* h, std::unique_ptr<ExecutorEntry>& owned,
+              ExecutorEntry*& entry) {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
-  auto it = registry().find(e);
+  auto it = registry().find(serial_of(h));
   if (it == registry().end()) return Use::kUnknown;
-  if (e->running) return Use::kBusy;
-  if (!e->repeatable) {
+  if (it->second->running) return Use::kBusy;
+  if (!it->second->repeatable) {
+    owned = std::move(it->second);
     registry().erase(it);
     return Use::kOneShot;
   }
-  e->running = true;
+  entry = it->second.get();
+  entry->running = true;
   return Use::kRepeatable;
 }
 
-void end_run(aclOpExecutor* e) {
+void end_run(ExecutorEntry* e) {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   e->running = false;
 }
@@ -120,10 +150,16 @@ int64_t element_size(const aclDataType& dt) {
 void set_last_error(const char* message) { t_last_error = message; }
 
 aclOpExecutor* publish_executor(ExecutorPtr executor) {
-  auto* e = new aclOpExecutor{std::move(executor), false};
+  auto e = std::make_unique<ExecutorEntry>();
+  e->impl = std::move(executor);
   std::lock_guard<std::mutex> lock(g_registry_mutex);
-  registry().insert(e);
-  return e;
+  if (g_next_serial > kSerialMask) {
+    // 2^53 - 1 executors per process: far beyond any real run, but never wrap onto a serial
+    throw std::runtime_error("executor: at most 2^53 - 1 executors per process; got one more");
+  }
+  const uint64_t serial = g_next_serial++;
+  registry().emplace(serial, std::move(e));
+  return handle_of(serial);
 }
 
 aclnnStatus stage_two(const char* op, void* workspace, uint64_t workspace_size,
@@ -132,7 +168,9 @@ aclnnStatus stage_two(const char* op, void* workspace, uint64_t workspace_size,
     if (executor == nullptr) {
       throw Error(kErrNullptr, cat(op, ": executor: must not be null; got null"));
     }
-    const Use use = begin_run(executor);
+    std::unique_ptr<ExecutorEntry> owned;
+    ExecutorEntry* entry = nullptr;
+    const Use use = begin_run(executor, owned, entry);
     if (use == Use::kUnknown) {
       throw Error(kErrParamInvalid, cat(op, ": executor: must come from a GetWorkspaceSize call "
                                             "and not be consumed or destroyed; got an unknown "
@@ -141,14 +179,13 @@ aclnnStatus stage_two(const char* op, void* workspace, uint64_t workspace_size,
     if (use == Use::kBusy) busy(op);
     if (use == Use::kRepeatable) {
       struct EndRun {
-        aclOpExecutor* e;
+        ExecutorEntry* e;
         ~EndRun() { end_run(e); }
-      } end{executor};
-      executor->impl->run(workspace, workspace_size, stream);
+      } end{entry};
+      entry->impl->run(workspace, workspace_size, stream);
       return;
     }
     // One-shot: consumed whether or not the run succeeds, as in aclnn.
-    std::unique_ptr<aclOpExecutor> owned(executor);
     owned->impl->run(workspace, workspace_size, stream);
   });
 }
@@ -223,34 +260,36 @@ aclnnStatus aclDestroyTensor(const aclTensor* tensor) {
 aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor* executor) {
   return api_guard([&] {
     std::lock_guard<std::mutex> lock(moegrad::g_registry_mutex);
-    if (moegrad::registry().count(executor) == 0) {
+    auto it = moegrad::registry().find(moegrad::serial_of(executor));
+    if (it == moegrad::registry().end()) {
       throw Error(moegrad::kErrParamInvalid,
                   "aclSetAclOpExecutorRepeatable: executor: must be a live executor; got an "
                   "unknown one");
     }
-    executor->repeatable = true;
+    it->second->repeatable = true;
   });
 }
 
 aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor* executor) {
   return api_guard([&] {
     if (executor == nullptr) return;
+    std::unique_ptr<moegrad::ExecutorEntry> owned;  // freed after the lock is released
     {
       std::lock_guard<std::mutex> lock(moegrad::g_registry_mutex);
-      auto it = moegrad::registry().find(executor);
+      auto it = moegrad::registry().find(moegrad::serial_of(executor));
       if (it == moegrad::registry().end()) {
         throw Error(moegrad::kErrParamInvalid,
                     "aclDestroyAclOpExecutor: executor: must be a live executor; got an unknown "
                     "one (already consumed or destroyed)");
       }
-      if (executor->running) {
+      if (it->second->running) {
         throw Error(moegrad::kErrParamInvalid,
                     "aclDestroyAclOpExecutor: executor: must not be in use by another thread; "
                     "got an executor whose stage two is running");
       }
+      owned = std::move(it->second);
       moegrad::registry().erase(it);
     }
-    delete executor;
   });
 }
 

@@ -3,6 +3,7 @@
 #define MOEGRAD_CORE_EXECUTOR_H_
 
 #include <array>
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -56,6 +57,7 @@ class PlanExecutor final : public Executor {
   int32_t device_id() const override { return plan_.device_id; }
 
   void run(void* workspace, uint64_t bytes, void* stream) override {
+    const InUse guard(this);
     if (!plan_.bound) {
       throw Error(kErrNullptr, cat(plan_.op, ": outputs: planned without outputs, so run needs "
                                              "them; got none"));
@@ -65,6 +67,7 @@ class PlanExecutor final : public Executor {
 
   void run(const TensorView* const* outs, size_t n, void* workspace, uint64_t bytes,
            void* stream) override {
+    const InUse guard(this);
     auto views = plan_.output_views();
     if (n != views.size() || (n > 0 && outs == nullptr)) {
       throw Error(kErrParamInvalid,
@@ -77,6 +80,23 @@ class PlanExecutor final : public Executor {
   }
 
  private:
+  // One run at a time: a second thread running (or rebinding) the same executor while a run is
+  // in progress gets 161002 instead of a data race on the bound outputs (docs/decisions.md L84).
+  // Destroying an executor another thread is running stays the owner's error (unique_ptr).
+  struct InUse {
+    PlanExecutor* self;
+    explicit InUse(PlanExecutor* s) : self(s) {
+      if (self->in_use_.exchange(true, std::memory_order_acquire)) {
+        throw Error(kErrParamInvalid, cat(self->plan_.op, ": executor: must not be in use by "
+                                                          "another thread; got an executor "
+                                                          "whose run is in progress"));
+      }
+    }
+    ~InUse() { self->in_use_.store(false, std::memory_order_release); }
+    InUse(const InUse&) = delete;
+    InUse& operator=(const InUse&) = delete;
+  };
+
   void launch(void* workspace, uint64_t bytes, void* stream) {
     check_workspace(plan_.op, plan_.workspace_bytes, workspace, bytes);
     run_(plan_, Workspace(workspace), stream);
@@ -84,6 +104,7 @@ class PlanExecutor final : public Executor {
 
   Plan plan_;
   void (*run_)(const Plan&, const Workspace&, void*);
+  std::atomic<bool> in_use_{false};
 };
 
 // Throws 161002 when this build has no kernel of `b` for the op.

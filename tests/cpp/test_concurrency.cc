@@ -7,6 +7,8 @@
 #include <memory>
 #include <thread>
 
+#include <moegrad/moegrad.h>
+
 #include "test_util.h"
 
 using namespace mgt;
@@ -343,6 +345,67 @@ TEST(Concurrency, RepeatableExecutorSharedAcrossThreadsGivesAStatus) {
   std::vector<unsigned char> got;
   for (Tensor& t : j.out) got.insert(got.end(), t.bytes().begin(), t.bytes().end());
   EXPECT_EQ(got, want);
+}
+
+// The C++ API: one Executor run by 8 threads at once (docs/decisions.md L84). Overlapping runs
+// are refused with Error(161002) naming the executor, never a data race; every accepted run
+// writes the serial result, in both run forms (plan_* with outputs, prepare_* binding them).
+// Runs are long enough (8192 x 64) that 8 threads on any machine overlap; the rounds repeat
+// until a refusal was seen (without the guard none ever is, and the test fails).
+TEST(Concurrency, CppExecutorSharedAcrossThreadsGivesAStatus) {
+  const int64_t T = 8192, Hh = 64;
+  Rng rng(77);
+  std::vector<float> x = [&] {
+    std::vector<double> d = rng.uniform_vec(static_cast<size_t>(T * 2 * Hh), -4, 4);
+    return std::vector<float>(d.begin(), d.end());
+  }();
+  std::vector<float> want(static_cast<size_t>(T * Hh)), y(want.size());
+  using moegrad::DType;
+  using moegrad::TensorView;
+  TensorView vx = TensorView::contiguous(x.data(), DType::kFloat32, {T, 2 * Hh});
+  TensorView vw = TensorView::contiguous(want.data(), DType::kFloat32, {T, Hh});
+  TensorView vy = TensorView::contiguous(y.data(), DType::kFloat32, {T, Hh});
+  moegrad::plan_swiglu_group(&vx, nullptr, nullptr, {}, &vw)->run(nullptr, 0, nullptr);
+  for (int form = 0; form < 2; ++form) {
+    moegrad::ExecutorPtr e = form == 0 ? moegrad::plan_swiglu_group(&vx, nullptr, nullptr, {}, &vy)
+                                       : moegrad::prepare_swiglu_group(&vx, nullptr, nullptr, {});
+    int refused_total = 0;
+    for (int round = 0; round < 20 && refused_total == 0; ++round) {
+      std::fill(y.begin(), y.end(), -7.0f);
+      std::atomic<int> ran{0}, refused{0}, other{0}, ready{0};
+      std::vector<std::thread> pool;
+      for (int t = 0; t < 8; ++t) {
+        pool.emplace_back([&] {
+          ready.fetch_add(1);
+          while (ready.load() < 8) std::this_thread::yield();
+          for (int i = 0; i < 10; ++i) {
+            try {
+              if (form == 0) {
+                e->run(nullptr, 0, nullptr);
+              } else {
+                const TensorView* outs[1] = {&vy};
+                e->run(outs, 1, nullptr, 0, nullptr);
+              }
+              ran.fetch_add(1);
+            } catch (const moegrad::Error& err) {
+              if (err.code() == 161002 && has_word(err.what(), "executor")) refused.fetch_add(1);
+              else other.fetch_add(1);
+            } catch (...) {
+              other.fetch_add(1);
+            }
+          }
+        });
+      }
+      for (auto& th : pool) th.join();
+      EXPECT_EQ(other.load(), 0) << "form " << form;
+      EXPECT_GT(ran.load(), 0) << "form " << form;
+      EXPECT_EQ(ran.load() + refused.load(), 8 * 10) << "form " << form;
+      EXPECT_EQ(0, std::memcmp(y.data(), want.data(), y.size() * sizeof(float)))
+          << "form " << form;
+      refused_total += refused.load();
+    }
+    EXPECT_GT(refused_total, 0) << "form " << form << ": overlapping runs were never refused";
+  }
 }
 
 }  // namespace

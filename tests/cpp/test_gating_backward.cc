@@ -53,7 +53,9 @@ struct GatingBwdCase : OpCase {
       for (int64_t j = 0; j < N; ++j) {
         bool selected = false;
         for (int64_t p = 0; p < K; ++p) selected |= idx[i * K + p] == j;
-        if (!selected) EXPECT_EQ(out.get(i * N + j), 0.0) << what << " unselected (" << i << "," << j << ")";
+        if (!selected) {
+          EXPECT_EQ(out.get(i * N + j), 0.0) << what << " unselected (" << i << "," << j << ")";
+        }
       }
     }
   }

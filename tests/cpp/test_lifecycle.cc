@@ -1,5 +1,6 @@
 // Executor lifetime, stage-two argument checks, the per-thread error message and tensor handles
 // of the C API (aclnn.h header comment, operators.md §0.2).
+#include <memory>
 #include <thread>
 
 #include "test_util.h"
@@ -102,6 +103,77 @@ TEST(ExecutorLifetime, DestroyWithoutRunning) {
   EXPECT_EQ(aclDestroyAclOpExecutor(ex), ACLNN_SUCCESS) << aclGetRecentErrMsg();
   EXPECT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, ex, nullptr), ACLNN_ERR_PARAM_INVALID);
   for (float v : s.out) EXPECT_EQ(v, -7.0f) << "planning alone must not write outputs";
+}
+
+// A consumed or destroyed executor stays unknown for good (docs/decisions.md L83): even when
+// the executors planned after it (same operator, same size) would reuse its memory, the stale
+// handle never reaches them. Before handles were serial numbers, a freed handle passed again
+// ran whichever executor had been allocated at its address.
+TEST(ExecutorLifetime, StaleHandlesStayUnknownAfterReuse) {
+  Small s;
+  aclOpExecutor* consumed = nullptr;
+  aclOpExecutor* destroyed = nullptr;
+  ASSERT_EQ(s.plan(&consumed), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+  ASSERT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, consumed, nullptr), ACLNN_SUCCESS);
+  ASSERT_EQ(s.plan(&destroyed), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+  ASSERT_EQ(aclDestroyAclOpExecutor(destroyed), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+  std::vector<aclOpExecutor*> live;
+  for (int i = 0; i < 64; ++i) {  // plenty of chances for the allocator to hand the memory back
+    aclOpExecutor* e = nullptr;
+    ASSERT_EQ(s.plan(&e, 2.0), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+    EXPECT_NE(e, consumed);
+    EXPECT_NE(e, destroyed);
+    for (aclOpExecutor* other : live) EXPECT_NE(e, other);
+    live.push_back(e);
+    ASSERT_EQ(aclSetAclOpExecutorRepeatable(e), ACLNN_SUCCESS);
+  }
+  for (aclOpExecutor* stale : {consumed, destroyed}) {
+    std::fill(s.out.begin(), s.out.end(), -7.0f);
+    EXPECT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, stale, nullptr), ACLNN_ERR_PARAM_INVALID);
+    EXPECT_TRUE(has_word(aclGetRecentErrMsg(), "executor")) << aclGetRecentErrMsg();
+    for (float v : s.out) EXPECT_EQ(v, -7.0f) << "a stale handle ran a live executor";
+    EXPECT_EQ(aclSetAclOpExecutorRepeatable(stale), ACLNN_ERR_PARAM_INVALID);
+    EXPECT_EQ(aclDestroyAclOpExecutor(stale), ACLNN_ERR_PARAM_INVALID);
+  }
+  // The live ones are unaffected and still run (and are destroyed exactly once).
+  for (aclOpExecutor* e : live) {
+    std::fill(s.out.begin(), s.out.end(), -7.0f);
+    ASSERT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, e, nullptr), ACLNN_SUCCESS)
+        << aclGetRecentErrMsg();
+    s.expect_result(2.0);
+    EXPECT_EQ(aclDestroyAclOpExecutor(e), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+    EXPECT_EQ(aclDestroyAclOpExecutor(e), ACLNN_ERR_PARAM_INVALID);
+  }
+}
+
+// Values that were never handles (a stack address, a heap address, small integers, all ones,
+// a handle-looking value with a serial never issued) are refused by every executor call.
+TEST(ExecutorLifetime, BogusHandlesAreRefused) {
+  Small s;
+  aclOpExecutor* real = nullptr;
+  ASSERT_EQ(s.plan(&real), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+  int on_stack = 0;
+  auto heap = std::make_unique<int>(0);
+  const uintptr_t r = reinterpret_cast<uintptr_t>(real);
+  const uintptr_t bogus[] = {reinterpret_cast<uintptr_t>(&on_stack),
+                             reinterpret_cast<uintptr_t>(heap.get()),
+                             1,
+                             8,
+                             4096,
+                             ~uintptr_t{0},
+                             r + 1,
+                             r ^ (uintptr_t{1} << 52),
+                             r + (uintptr_t{1} << 40)};
+  for (uintptr_t b : bogus) {
+    auto* h = reinterpret_cast<aclOpExecutor*>(b);
+    EXPECT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, h, nullptr), ACLNN_ERR_PARAM_INVALID) << b;
+    EXPECT_EQ(aclSetAclOpExecutorRepeatable(h), ACLNN_ERR_PARAM_INVALID) << b;
+    EXPECT_EQ(aclDestroyAclOpExecutor(h), ACLNN_ERR_PARAM_INVALID) << b;
+  }
+  for (float v : s.out) EXPECT_EQ(v, -7.0f);
+  ASSERT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, real, nullptr), ACLNN_SUCCESS)
+      << aclGetRecentErrMsg();
+  s.expect_result();
 }
 
 // Handles may be destroyed after stage one; the memory must live until stage two returns.

@@ -155,7 +155,9 @@ struct QuantCase : OpCase {
           }
         }
       }
-      if (quant_mode == 1 && S > nb) EXPECT_EQ(sb[t * S + nb], 0) << what << " pad scale " << t;
+      if (quant_mode == 1 && S > nb) {
+        EXPECT_EQ(sb[t * S + nb], 0) << what << " pad scale " << t;
+      }
     }
     EXPECT_EQ(bad, 0) << what;
     if (output_origin) expect_close(y_origin, ref, what + " y_origin");

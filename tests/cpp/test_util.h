@@ -499,7 +499,7 @@ struct Rule {
   std::function<void(Case&)> mutate;
   aclnnStatus code;
   std::string arg;
-  std::vector<std::string> words;
+  std::vector<std::string> words;  // optional in the rule tables (tests/cpp/CMakeLists.txt)
 };
 
 template <typename Case>

@@ -39,7 +39,8 @@ def swiglu64(x, weight=None, group_index=None, clamp=-1.0):
         y = y * weight.double().reshape(*x.shape[:-1], 1)
     flat = y.reshape(-1, h)
     if group_index is not None:
-        flat[max(0, min(int(group_index.sum()), flat.shape[0])):] = 0
+        # the exact sum (Python ints): an int64 tensor sum could wrap
+        flat[max(0, min(sum(group_index.tolist()), flat.shape[0])):] = 0
     return flat.reshape(y.shape)
 
 
@@ -48,7 +49,7 @@ def expand_scales(y_scale, quant_mode, H):
     B = 128 if quant_mode == 0 else 32
     s = y_scale.float().double()
     if quant_mode == 1:
-        s = s.reshape(*s.shape[:-2], -1)[..., :(H + B - 1) // B]
+        s = s.flatten(-2)[..., :(H + B - 1) // B]  # flatten, not reshape(-1): 0 tokens
     return s.repeat_interleave(B, dim=-1)[..., :H]
 
 
@@ -63,11 +64,11 @@ def check_values(x, y, y_scale, dst, quant_mode, round_scale, weight=None, group
     amax = blocks.abs().amax(-1)
     want = amax.clamp(min=1e-4) / FMAX[dst]
     if quant_mode == 1:
-        got = y_scale.float().double().reshape(*ref.shape[:-1], -1)[..., :nb]
+        got = y_scale.float().double().flatten(-2)[..., :nb]
     else:
         got = y_scale.double()
     rows = ref.reshape(-1, H).shape[0]
-    trunc = rows if group_index is None else max(0, min(int(group_index.sum()), rows))
+    trunc = rows if group_index is None else max(0, min(sum(group_index.tolist()), rows))
     live = torch.zeros(rows, dtype=torch.bool)
     live[:trunc] = True
     live = live.reshape(ref.shape[:-1])
@@ -81,7 +82,7 @@ def check_values(x, y, y_scale, dst, quant_mode, round_scale, weight=None, group
     if quant_mode == 0:
         assert bool((got[~live] == 0).all()), "truncated rows: scale 0"
     else:
-        codes = y_scale.view(torch.uint8).reshape(*ref.shape[:-1], -1)
+        codes = y_scale.view(torch.uint8).flatten(-2)
         assert bool((codes[~live] == 0).all()), "truncated rows: e8m0 code 0"
     scale = expand_scales(y_scale, quant_mode, H)
     q = ref / torch.where(scale > 0, scale, torch.ones_like(scale))
