@@ -173,17 +173,20 @@ HWY_INLINE void ZeroRow(DF /*d*/, T* HWY_RESTRICT p, size_t n) {
   std::memset(q + i, 0, bytes - i);
 }
 
-// Prefetch distance of the gathered rows, in bytes ahead of the current read position.
-// 2 KB (32 lines) per stream measured best on the development machine (Zen, DeepSeek-V3 and
-// GPT-OSS rows): 1 KB leaves the forward and the grad 10-30 % slower, 4 KB helps the grad
-// a little and slows the forward.
-constexpr size_t kPrefetchBytes = 2048;
+// Prefetch distance of the gathered rows, in bytes ahead of the current read position. Measured
+// on the development machine (Zen, DeepSeek-V3 and GPT-OSS rows, 1 thread): the kernels that
+// read the K rows of a token at once (finalize forward, init routing grad) are flat between
+// 1.5 and 4 KB and slower at 1 KB; the finalize grad, which reads one row at a time, gains
+// 15-20 % from 2 KB to 4 KB.
+constexpr size_t kPrefetchBytes = 2048;      // K read streams at once
+constexpr size_t kPrefetchOneStream = 4096;  // one read stream
 
-// A read stream over gathered rows that prefetches kPrefetchBytes ahead and, near the end of
-// the current row, the start of the row that comes next (the next token's row of the same
-// slot), so the stream does not stall at every random row start.
+// A read stream over gathered rows that prefetches kAhead bytes ahead and, near the end of the
+// current row, the start of the row that comes next (the next token's row of the same slot, or
+// the next slot's row), so the stream does not stall at every random row start.
+template <size_t kAhead = kPrefetchBytes>
 HWY_INLINE void PrefetchAhead(const void* row, const void* next, size_t row_bytes, size_t at) {
-  const size_t ahead = at + kPrefetchBytes;
+  const size_t ahead = at + kAhead;
   if (ahead < row_bytes) {
     hwy::Prefetch(static_cast<const unsigned char*>(row) + ahead);
   } else if (next != nullptr && ahead - row_bytes < row_bytes) {

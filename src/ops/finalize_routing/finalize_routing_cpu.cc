@@ -198,7 +198,7 @@ HWY_INLINE void grad_block(DF d, const float* g, VF s, T* dst, bool stream, bool
   auto load = [&](const T* q) { return kTail ? rows::LoadWideN(d, q, n) : rows::LoadWide(d, q); };
   if (x) {
     for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
-      rows::PrefetchAhead(x, next_x, row_bytes, j * sizeof(T) + off);
+      rows::PrefetchAhead<rows::kPrefetchOneStream>(x, next_x, row_bytes, j * sizeof(T) + off);
     }
   }
   VF gv[U];

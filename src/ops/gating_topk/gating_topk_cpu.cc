@@ -181,6 +181,14 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
 // Jacobian s_j (G_j - sum_i s_i G_i) over all N columns, one vector at a time, narrowed to T in
 // registers. Every fp32 operation rounds on its own, in the order written here (no contraction,
 // L43), so the CUDA kernel gives the same bits.
+// Rows of at most kRegisterExperts experts and kRegisterSlots slots build G in registers: a
+// compare and a masked add per slot and vector instead of the scatter into a row buffer, whose
+// lane-wise stores stall the vector loads that follow (store forwarding) on such short rows
+// (~10 % faster at GPT-OSS shapes, E = 32). The same bits: lanes of no selected expert add +0
+// to a sum that starts at +0 and so is never -0.
+constexpr int64_t kRegisterExperts = 64;
+constexpr int64_t kRegisterSlots = 16;
+
 template <typename T>
 void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t begin,
                   int64_t end) {
@@ -202,10 +210,11 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
   std::fill(G, G + np, 0.0f);
   float gs[kMaxExpertsCpu], w[kMaxExpertsCpu], gp[kMaxExpertsCpu];
 
+  const bool regs = N <= kRegisterExperts && K <= kRegisterSlots;
   for (int64_t r = begin; r < end; ++r) {
     const float* xr = xn + r * N;
     const int32_t* er = idx + r * K;
-    std::fill(G, G + N, 0.0f);
+    if (!regs) std::fill(G, G + N, 0.0f);
     float sum = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = er[k];
@@ -222,9 +231,11 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
     } else {
       for (int64_t k = 0; k < K; ++k) gp[k] = gs[k];
     }
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t e = er[k];
-      if (e >= 0 && e < N) G[e] += gp[k];  // scatter-add (D1)
+    if (!regs) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = er[k];
+        if (e >= 0 && e < N) G[e] += gp[k];  // scatter-add (D1)
+      }
     }
     float dot = 0.0f;  // softmax: sum_j s_j G_j = sum_k s_{e_k} g'_k, in slot order
     if (norm_type == 0) {
@@ -235,13 +246,24 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
       if (norm_type == 0) return hn::Mul(x, hn::Sub(g, hn::Set(d, dot)));
       return hn::Mul(SqrtSoftplusGrad(d, x), g);
     };
+    auto grad_at = [&](size_t j) {
+      if (!regs) return hn::Load(d, G + j);
+      const hn::RebindToSigned<DF> di;
+      const auto cols = hn::Add(hn::Iota(di, 0), hn::Set(di, static_cast<int32_t>(j)));
+      VF acc = hn::Zero(d);
+      for (int64_t k = 0; k < K; ++k) {  // scatter-add (D1); ids outside [0, N) match no column
+        const auto hit = hn::RebindMask(d, hn::Eq(cols, hn::Set(di, er[k])));
+        acc = hn::Add(acc, hn::IfThenElseZero(hit, hn::Set(d, gp[k])));
+      }
+      return acc;
+    };
     T* o = gx + r * N;
     size_t j = 0;
     for (; j < Nv; j += L) {
-      rows::StoreNarrow(d, value(hn::LoadU(d, xr + j), hn::Load(d, G + j)), o + j);
+      rows::StoreNarrow(d, value(hn::LoadU(d, xr + j), grad_at(j)), o + j);
     }
     if (j < Nz) {  // G is padded with +0
-      rows::StoreNarrowN(d, value(rows::LoadWideN(d, xr + j, Nz - j), hn::Load(d, G + j)),
+      rows::StoreNarrowN(d, value(rows::LoadWideN(d, xr + j, Nz - j), grad_at(j)),
                          o + j, Nz - j);
     }
   }
