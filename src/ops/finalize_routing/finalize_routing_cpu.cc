@@ -131,7 +131,8 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
   const T* x1 = p.has_x1 ? typed<T>(p.x1) : nullptr;
   const T* x2 = p.has_x2 ? typed<T>(p.x2) : nullptr;
   T* out = typed<T>(p.out);
-  const bool nt = mul_sat(p.R, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
+  // Non-temporal stores only for outputs too large to stay in the cache (L87).
+  const bool big = mul_sat(p.R, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
   SlotRef* tabs = ws.get<SlotRef>(p.ws_slots, tid);  // two tables of K slots: this token, next
   if (begin < end) forward_slots<T, S>(p, idx, eidx, begin, tabs);
   for (int64_t r = begin; r < end; ++r) {
@@ -142,8 +143,8 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
     const T* a1 = x1 ? x1 + r * static_cast<int64_t>(H) : nullptr;
     const T* a2 = x2 ? x2 + r * static_cast<int64_t>(H) : nullptr;
     T* o = out + r * static_cast<int64_t>(H);
-    const bool stream = nt && rows::StreamAligned(d, o);
-    const bool stream2 = nt && rows::Stream2Aligned(d, o);
+    const bool stream = big && rows::StreamAligned(d, o);
+    const bool stream2 = big && rows::Stream2Aligned(d, o);
     VF acc[4];
     size_t j = 0;
     for (; j + 4 * L <= H; j += 4 * L) {
