@@ -20,7 +20,7 @@ struct FinalizeRoutingPlan : PlanBase {
   int64_t num_bias = 0;   // E of bias
   bool row_layout = false;  // modes 2/3: flat = r*K + k; modes 0/1: flat = k*R + r
   Slot ws_idx, ws_eidx;     // int64 indices narrowed to int32
-  Slot ws_acc, ws_stage;    // CPU scratch, one copy per thread
+  Slot ws_slots;            // CPU scratch, one copy per thread: slot tables
   Slot ws_strict;               // CUDA strict index check (L46)
   bool strict_indices = false;  // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)
   std::array<TensorView*, 1> output_views() { return {&out}; }
@@ -38,7 +38,7 @@ struct FinalizeRoutingGradPlan : PlanBase {
   DType grad_scales_dtype = DType::kFloat32;
   Slot ws_idx, ws_eidx;                // int64 indices narrowed to int32
   Slot ws_covered;                     // rows of grad_expanded_x some index addresses
-  Slot ws_g, ws_scaled, ws_stage;      // CPU scratch, one copy per thread
+  Slot ws_g;                           // CPU scratch, one copy per thread: grad_y row in fp32
   int zero_threads = 1;                // threads of the zero-fill loop
   Slot ws_owner, ws_strict;            // CUDA: row owner map (L44), strict index check (L46)
   bool strict_indices = false;         // MOEGRAD_STRICT_INDICES=1 when planned (CUDA)

@@ -13,121 +13,287 @@
 #include "core/host.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
+#include "core/rows-inl.h"
 #include "hwy/highway.h"
 #include "ops/finalize_routing/finalize_routing.h"
+
+#ifndef MOEGRAD_FINALIZE_ROUTING_CPU_ONCE_
+#define MOEGRAD_FINALIZE_ROUTING_CPU_ONCE_
+namespace moegrad {
+namespace finalize_detail {
+// One slot of a token row in the forward: its expanded_x row (null: dropped, truncated or an
+// invalid index), its bias row (null: none) and its scale.
+struct SlotRef {
+  const void* x;
+  const void* b;
+  float s;
+};
+
+// Calls f(tid, nt) on every thread of one parallel region of `threads` threads (nt: the
+// threads the runtime gave); f may call team_barrier(), which every thread must reach.
+template <typename F>
+void run_team(int threads, F&& f) {
+#ifdef _OPENMP
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    f(omp_get_thread_num(), omp_get_num_threads());
+    return;
+  }
+#endif
+  (void)threads;
+  f(0, 1);
+}
+inline void team_barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+}  // namespace finalize_detail
+}  // namespace moegrad
+#endif  // MOEGRAD_FINALIZE_ROUTING_CPU_ONCE_
 
 HWY_BEFORE_NAMESPACE();
 namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
+using finalize_detail::run_team;
+using finalize_detail::SlotRef;
+using finalize_detail::team_barrier;
+
+// The slots of token row r (forward).
+template <typename T, typename S>
+void forward_slots(const FinalizeRoutingPlan& p, const int32_t* idx, const int32_t* eidx,
+                   int64_t r, SlotRef* t) {
+  const int64_t R = p.R, K = p.K, H = p.H;
+  const T* ex = typed<T>(p.expanded_x);
+  const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
+  const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t flat = p.row_layout ? r * K + k : k * R + r;
+    const int32_t d = idx[flat];
+    const T* brow = nullptr;
+    if (bias) {
+      const int32_t e = eidx[r * K + k];
+      if (e >= 0 && e < p.num_bias) brow = bias + static_cast<int64_t>(e) * H;
+    }
+    t[k].x = (d >= 0 && d < p.rows) ? ex + static_cast<int64_t>(d) * H : nullptr;
+    t[k].b = brow;  // dropped or truncated slots keep their bias term (D7, L5)
+    t[k].s = scales ? to_f32(scales[r * K + k]) : 1.0f;
+  }
+}
+
+// U vectors of a token row at column j (kTail: one vector of n < Lanes elements):
+// x1 + x2 + sum over k of s_k * (x_k + b_k), added in that order, in fp32 (the order and the
+// operations of docs/operators.md §4.5; no contraction, L43). `next` (or null) is the next
+// token's slot table, whose row starts are prefetched near the end of the current rows.
+template <size_t U, bool kTail, typename T>
+HWY_INLINE void forward_block(DF d, const T* a1, const T* a2, const SlotRef* t,
+                              const SlotRef* next, int64_t K, size_t row_bytes, size_t j,
+                              size_t n, VF* acc) {
+  const size_t L = hn::Lanes(d);
+  auto load = [&](const T* q) { return kTail ? rows::LoadWideN(d, q, n) : rows::LoadWide(d, q); };
+  for (size_t u = 0; u < U; ++u) acc[u] = a1 ? load(a1 + j + u * L) : hn::Zero(d);
+  if (a2) {
+    for (size_t u = 0; u < U; ++u) acc[u] = hn::Add(acc[u], load(a2 + j + u * L));
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const T* x = static_cast<const T*>(t[k].x);
+    const T* b = static_cast<const T*>(t[k].b);
+    const VF s = hn::Set(d, t[k].s);
+    if (x) {
+      const void* nx = next ? next[k].x : nullptr;
+      for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
+        rows::PrefetchAhead(x, nx, row_bytes, j * sizeof(T) + off);
+      }
+      if (b) {
+        for (size_t u = 0; u < U; ++u) {
+          const size_t o = j + u * L;
+          acc[u] = hn::Add(acc[u], hn::Mul(s, hn::Add(load(x + o), load(b + o))));
+        }
+      } else {
+        for (size_t u = 0; u < U; ++u) acc[u] = hn::Add(acc[u], hn::Mul(s, load(x + j + u * L)));
+      }
+    } else if (b) {
+      for (size_t u = 0; u < U; ++u) acc[u] = hn::Add(acc[u], hn::Mul(s, load(b + j + u * L)));
+    }
+  }
+}
+
 template <typename T, typename S>
 void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32_t* eidx,
                    const Workspace& ws, int tid, int64_t begin, int64_t end) {
-  const int64_t R = p.R, K = p.K, H = p.H;
-  const T* ex = typed<T>(p.expanded_x);
+  const DF d;
+  const size_t L = hn::Lanes(d);
+  const int64_t K = p.K;
+  const size_t H = static_cast<size_t>(p.H);
+  const size_t row_bytes = H * sizeof(T);
   const T* x1 = p.has_x1 ? typed<T>(p.x1) : nullptr;
   const T* x2 = p.has_x2 ? typed<T>(p.x2) : nullptr;
-  const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
-  const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
   T* out = typed<T>(p.out);
-  float* acc = ws.get<float>(p.ws_acc, tid);
-  T* stage = ws.get<T>(p.ws_stage, tid);
-
+  // Non-temporal stores only for outputs too large to stay in the cache (L87).
+  const bool big = mul_sat(p.R, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
+  SlotRef* tabs = ws.get<SlotRef>(p.ws_slots, tid);  // two tables of K slots: this token, next
+  if (begin < end) forward_slots<T, S>(p, idx, eidx, begin, tabs);
   for (int64_t r = begin; r < end; ++r) {
-    if (x1) {
-      const T* a = x1 + r * H;
-      for (int64_t j = 0; j < H; ++j) acc[j] = to_f32(a[j]);
-    } else {
-      std::fill(acc, acc + H, 0.0f);
-    }
-    if (x2) {
-      const T* b = x2 + r * H;
-      for (int64_t j = 0; j < H; ++j) acc[j] += to_f32(b[j]);
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t flat = p.row_layout ? r * K + k : k * R + r;
-      const int32_t d = idx[flat];
-      const float s = scales ? to_f32(scales[r * K + k]) : 1.0f;
-      const T* brow = nullptr;
-      if (bias) {
-        const int32_t e = eidx[r * K + k];
-        if (e >= 0 && e < p.num_bias) brow = bias + static_cast<int64_t>(e) * H;
+    const SlotRef* t = tabs + ((r - begin) & 1) * K;
+    SlotRef* next = tabs + ((r - begin + 1) & 1) * K;
+    if (r + 1 < end) forward_slots<T, S>(p, idx, eidx, r + 1, next);
+    const SlotRef* nt = r + 1 < end ? next : nullptr;
+    const T* a1 = x1 ? x1 + r * static_cast<int64_t>(H) : nullptr;
+    const T* a2 = x2 ? x2 + r * static_cast<int64_t>(H) : nullptr;
+    T* o = out + r * static_cast<int64_t>(H);
+    const bool stream = big && rows::StreamAligned(d, o);
+    const bool stream2 = big && rows::Stream2Aligned(d, o);
+    VF acc[4];
+    size_t j = 0;
+    for (; j + 4 * L <= H; j += 4 * L) {
+      forward_block<4, false>(d, a1, a2, t, nt, K, row_bytes, j, 0, acc);
+      if (stream2) {
+        rows::StreamNarrow2(d, acc[0], acc[1], o + j);
+        rows::StreamNarrow2(d, acc[2], acc[3], o + j + 2 * L);
+        continue;
       }
-      const bool valid = d >= 0 && d < p.rows;
-      const T* xrow = valid ? ex + static_cast<int64_t>(d) * H : nullptr;
-      // Dropped or truncated slots keep their bias term (D7, L5).
-      if (xrow && brow) {
-        for (int64_t j = 0; j < H; ++j) acc[j] += s * (to_f32(xrow[j]) + to_f32(brow[j]));
-      } else if (xrow) {
-        for (int64_t j = 0; j < H; ++j) acc[j] += s * to_f32(xrow[j]);
-      } else if (brow) {
-        for (int64_t j = 0; j < H; ++j) acc[j] += s * to_f32(brow[j]);
+      for (size_t u = 0; u < 4; ++u) {
+        if (stream) {
+          rows::StreamNarrow(d, acc[u], o + j + u * L);
+        } else {
+          rows::StoreNarrow(d, acc[u], o + j + u * L);
+        }
       }
     }
-    T* o = out + r * H;
-    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-      stream_chunk(acc + h0, o + h0, static_cast<size_t>(std::min<int64_t>(kChunk, H - h0)),
-                   stage);
+    for (; j + L <= H; j += L) {
+      forward_block<1, false>(d, a1, a2, t, nt, K, row_bytes, j, 0, acc);
+      if (stream) {
+        rows::StreamNarrow(d, acc[0], o + j);
+      } else {
+        rows::StoreNarrow(d, acc[0], o + j);
+      }
+    }
+    if (j < H) {
+      forward_block<1, true>(d, a1, a2, t, nt, K, row_bytes, j, H - j, acc);
+      rows::StoreNarrowN(d, acc[0], o + j, H - j);
     }
   }
   hwy::FlushStream();
 }
 
+// The expanded_x row of slot i = r*K + k of the grad (null: no valid index), for prefetching.
+template <typename T>
+HWY_INLINE const T* grad_slot_row(const FinalizeRoutingGradPlan& p, const int32_t* idx,
+                                  const T* ex, int64_t i) {
+  if (ex == nullptr || i >= p.R * p.K) return nullptr;
+  const int32_t d = idx[i];
+  return (d >= 0 && d < p.rows) ? ex + static_cast<int64_t>(d) * p.H : nullptr;
+}
+
+// One slot of the grad over the columns [j, j + U*L) (kTail: one vector of n < Lanes
+// elements): grad_expanded_x = g * s (streamed when `stream`; U = 2 pairs the vectors into
+// one full-width store when `stream2`), and the dot product of (x + b) with g into `dot`
+// (element positions mod 64 from `pos`).
+template <size_t U, bool kTail, typename T>
+HWY_INLINE void grad_block(DF d, const float* g, VF s, T* dst, bool stream, bool stream2,
+                           const T* x, const T* b, const T* next_x, size_t row_bytes, size_t j,
+                           size_t pos, size_t n, rows::Dot* dot) {
+  const size_t L = hn::Lanes(d);
+  auto load = [&](const T* q) { return kTail ? rows::LoadWideN(d, q, n) : rows::LoadWide(d, q); };
+  if (x) {
+    for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
+      rows::PrefetchAhead<rows::kPrefetchOneStream>(x, next_x, row_bytes, j * sizeof(T) + off);
+    }
+  }
+  VF gv[U];
+  for (size_t u = 0; u < U; ++u) gv[u] = hn::Load(d, g + j + u * L);  // padded with +0
+  if (dst) {
+    VF v[U];
+    for (size_t u = 0; u < U; ++u) v[u] = hn::Mul(gv[u], s);
+    if (kTail) {
+      rows::StoreNarrowN(d, v[0], dst + j, n);
+    } else if (U == 2 && stream2) {
+      rows::StreamNarrow2(d, v[0], v[U - 1], dst + j);
+    } else {
+      for (size_t u = 0; u < U; ++u) {
+        if (stream) {
+          rows::StreamNarrow(d, v[u], dst + j + u * L);
+        } else {
+          rows::StoreNarrow(d, v[u], dst + j + u * L);
+        }
+      }
+    }
+  }
+  for (size_t u = 0; u < U; ++u) {
+    const size_t o = j + u * L;
+    if (x && b) {
+      dot->Add(d, pos + u * L, hn::Add(load(x + o), load(b + o)), gv[u]);
+    } else if (x) {
+      dot->Add(d, pos + u * L, load(x + o), gv[u]);
+    } else if (b) {
+      dot->Add(d, pos + u * L, load(b + o), gv[u]);
+    }
+  }
+}
+
+// Token rows [begin, end) of the grad: per slot, one pass over the row that writes
+// grad_expanded_x and accumulates the slot's grad_scales dot product (fixed order, D16).
 template <typename T, typename S>
 void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
                         const int32_t* eidx, const Workspace& ws, int tid, int64_t begin,
                         int64_t end) {
-  const int64_t K = p.K, H = p.H;
+  const DF d;
+  const size_t L = hn::Lanes(d);
+  const int64_t K = p.K;
+  const size_t H = static_cast<size_t>(p.H);
+  const size_t row_bytes = H * sizeof(T);
   const T* gy = typed<T>(p.grad_y);
   const T* ex = p.has_scales ? typed<T>(p.expanded_x) : nullptr;
   const S* scales = p.has_scales ? typed<S>(p.scales) : nullptr;
   const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
   T* gex = typed<T>(p.grad_expanded_x);
   S* gs = typed<S>(p.grad_scales);
-  float* g = ws.get<float>(p.ws_g, tid);
-  float* scaled = ws.get<float>(p.ws_scaled, tid);
-  T* stage = ws.get<T>(p.ws_stage, tid);
+  const bool nt = mul_sat(p.rows, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
+  float* g = ws.get<float>(p.ws_g, tid);  // H, padded to whole vectors with +0
+  const size_t Hv = H / L * L;
+  std::fill(g + Hv, g + Hv + L, 0.0f);
 
   for (int64_t r = begin; r < end; ++r) {
-    const T* gyr = gy + r * H;
-    for (int64_t j = 0; j < H; ++j) g[j] = to_f32(gyr[j]);
+    const T* gyr = gy + r * static_cast<int64_t>(H);
+    for (size_t j = 0; j < Hv; j += L) hn::Store(rows::LoadWide(d, gyr + j), d, g + j);
+    if (Hv < H) hn::Store(rows::LoadWideN(d, gyr + Hv, H - Hv), d, g + Hv);
     for (int64_t k = 0; k < K; ++k) {
       const int64_t i = r * K + k;
-      const int32_t d = idx[i];
-      const bool valid = d >= 0 && d < p.rows;
-      const float s = scales ? to_f32(scales[i]) : 1.0f;
-      if (valid) {
-        // Streamed: grad_expanded_x is written once and not read back here.
-        T* dst = gex + static_cast<int64_t>(d) * H;
-        for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-          const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
-          for (size_t j = 0; j < n; ++j) scaled[j] = g[h0 + j] * s;
-          stream_chunk(scaled, dst + h0, n, stage);
-        }
+      const int32_t di = idx[i];
+      const bool valid = di >= 0 && di < p.rows;
+      const VF s = hn::Set(d, scales ? to_f32(scales[i]) : 1.0f);
+      // Streamed: grad_expanded_x is written once and not read back here.
+      T* dst = valid ? gex + static_cast<int64_t>(di) * static_cast<int64_t>(H) : nullptr;
+      const bool stream = nt && dst != nullptr && rows::StreamAligned(d, dst);
+      const T* brow = nullptr;
+      if (bias && scales) {
+        const int32_t e = eidx[i];
+        if (e >= 0 && e < p.num_bias) brow = bias + static_cast<int64_t>(e) * p.H;
+      }
+      const T* xrow = valid && ex ? ex + static_cast<int64_t>(di) * p.H : nullptr;
+      const T* next_x = xrow ? grad_slot_row(p, idx, ex, i + 1) : nullptr;
+      const bool stream2 = nt && dst != nullptr && rows::Stream2Aligned(d, dst);
+      rows::Dot dot;
+      size_t j = 0;
+      for (; j + 2 * L <= H; j += 2 * L) {
+        grad_block<2, false>(d, g, s, dst, stream, stream2, xrow, brow, next_x, row_bytes, j,
+                             j % rows::kDotLanes, 0, &dot);
+      }
+      for (; j + L <= H; j += L) {
+        grad_block<1, false>(d, g, s, dst, stream, stream2, xrow, brow, next_x, row_bytes, j,
+                             j % rows::kDotLanes, 0, &dot);
+      }
+      if (j < H) {
+        grad_block<1, true>(d, g, s, dst, stream, stream2, xrow, brow, next_x, row_bytes, j,
+                            j % rows::kDotLanes, H - j, &dot);
       }
       if (!scales) {
         gs[i] = from_f32<S>(0.0f);  // D5: zeros without scales
-        continue;
+      } else {
+        gs[i] = from_f32<S>(dot.Sum());
       }
-      const T* brow = nullptr;
-      if (bias) {
-        const int32_t e = eidx[i];
-        if (e >= 0 && e < p.num_bias) brow = bias + static_cast<int64_t>(e) * H;
-      }
-      const T* xrow = valid ? ex + static_cast<int64_t>(d) * H : nullptr;
-      float dot = 0.0f;
-      if (xrow && brow) {
-        dot = Dot8(H, [&](int64_t j) { return to_f32(xrow[j]) + to_f32(brow[j]); },
-                          [&](int64_t j) { return g[j]; });
-      } else if (xrow) {
-        dot = Dot8(H, [&](int64_t j) { return to_f32(xrow[j]); },
-                          [&](int64_t j) { return g[j]; });
-      } else if (brow) {
-        dot = Dot8(H, [&](int64_t j) { return to_f32(brow[j]); },
-                          [&](int64_t j) { return g[j]; });
-      }
-      gs[i] = from_f32<S>(dot);
     }
   }
   hwy::FlushStream();
@@ -206,33 +372,50 @@ void FinalizeForward(const FinalizeRoutingPlan& p, const Workspace& ws) {
   });
 }
 
+// Rows of grad_expanded_x that no valid index addresses are zeroed; the others are written
+// exactly once by the token rows (indices are unique, D6). One parallel region: the threads
+// clear the covered map, mark the rows their share of the indices addresses, zero their share
+// of the rows nobody addresses, then compute their share of the token rows. Each output row
+// is written by one thread, the same whatever the thread count (D16).
+template <typename T, typename S>
+void finalize_backward_team(const FinalizeRoutingGradPlan& p, const int32_t* idx,
+                            const int32_t* eidx, const Workspace& ws) {
+  const DF d;
+  unsigned char* covered = ws.get<unsigned char>(p.ws_covered);
+  const int64_t rows = p.rows, n_idx = p.R * p.K, H = p.H;
+  T* gex = typed<T>(p.grad_expanded_x);
+  const int team = std::max(std::max(p.threads, p.zero_threads), 1);
+  run_team(team, [&](int tid, int nt) {
+    const int64_t r0 = rows * tid / nt, r1 = rows * (tid + 1) / nt;
+    if (r1 > r0) std::memset(covered + r0, 0, static_cast<size_t>(r1 - r0));
+    team_barrier();
+    for (int64_t i = n_idx * tid / nt, i1 = n_idx * (tid + 1) / nt; i < i1; ++i) {
+      const int32_t di = idx[i];
+      if (di >= 0 && di < rows) __atomic_store_n(covered + di, static_cast<unsigned char>(1),
+                                                __ATOMIC_RELAXED);
+    }
+    team_barrier();
+    for (int64_t di = r0; di < r1; ++di) {
+      if (!covered[di]) rows::ZeroRow(d, gex + di * H, static_cast<size_t>(H));
+    }
+    const int mt = std::min(nt, std::max(p.threads, 1));
+    if (tid < mt) {
+      const int64_t b = p.R * tid / mt, e = p.R * (tid + 1) / mt;
+      if (b < e) finalize_grad_rows<T, S>(p, idx, eidx, ws, tid, b, e);
+    }
+    hwy::FlushStream();
+  });
+}
+
 void FinalizeBackward(const FinalizeRoutingGradPlan& p, const Workspace& ws) {
   const int32_t* idx = index32(p.expanded_row_idx, ws.get<int32_t>(p.ws_idx));
   const int32_t* eidx = p.has_bias ? index32(p.expert_idx, ws.get<int32_t>(p.ws_eidx)) : nullptr;
-  // Rows of grad_expanded_x that no valid index addresses are zeroed; the others are written
-  // exactly once by the scatter below (indices are unique, D6).
-  unsigned char* covered = ws.get<unsigned char>(p.ws_covered);
-  if (p.rows > 0) std::memset(covered, 0, static_cast<size_t>(p.rows));  // no workspace at 0 rows
-  const int64_t n_idx = p.R * p.K;
-  for (int64_t i = 0; i < n_idx; ++i) {
-    if (idx[i] >= 0 && idx[i] < p.rows) covered[static_cast<size_t>(idx[i])] = 1;
-  }
-  const int64_t H = p.H;
-  const size_t row_bytes = static_cast<size_t>(H * dtype_size(p.grad_y.dtype));
-  unsigned char* gex = static_cast<unsigned char*>(p.grad_expanded_x.data);
-  parallel_rows(p.rows, p.zero_threads, [&](int, int64_t b, int64_t e) {
-    for (int64_t d = b; d < e; ++d) {
-      if (!covered[static_cast<size_t>(d)]) std::memset(gex + d * row_bytes, 0, row_bytes);
-    }
-  });
   const DType sdt = p.grad_scales_dtype;
   dispatch_float(p.grad_y.dtype, "grad_y", [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_float(sdt, "grad_scales", [&](auto stag) {
       using S = typename decltype(stag)::type;
-      parallel_rows(p.R, p.threads, [&](int tid, int64_t b, int64_t e) {
-        finalize_grad_rows<T, S>(p, idx, eidx, ws, tid, b, e);
-      });
+      finalize_backward_team<T, S>(p, idx, eidx, ws);
     });
   });
 }
@@ -255,8 +438,7 @@ void finalize_routing_cpu_size(FinalizeRoutingPlan& p, WorkspaceLayout& layout) 
   p.threads = plan_threads(p.R, grain_rows(p.H * p.K));
   p.ws_idx = index_scratch(layout, p.expanded_row_idx);
   p.ws_eidx = index_scratch(layout, p.expert_idx);
-  p.ws_acc = layout.add<float>(p.H, p.threads);
-  p.ws_stage = layout.add<float>(kRowChunk, p.threads);  // kRowChunk elements of any T <= 4 B
+  p.ws_slots = layout.add<finalize_detail::SlotRef>(2 * p.K, p.threads);  // this token, next
 }
 
 void finalize_routing_cpu(const FinalizeRoutingPlan& plan, const Workspace& ws, void*) {
@@ -270,9 +452,7 @@ void finalize_routing_grad_cpu_size(FinalizeRoutingGradPlan& p, WorkspaceLayout&
   p.ws_idx = index_scratch(layout, p.expanded_row_idx);
   p.ws_eidx = index_scratch(layout, p.expert_idx);
   p.ws_covered = layout.add<unsigned char>(p.rows);
-  p.ws_g = layout.add<float>(p.H, p.threads);
-  p.ws_scaled = layout.add<float>(kRowChunk, p.threads);
-  p.ws_stage = layout.add<float>(kRowChunk, p.threads);
+  p.ws_g = layout.add<float>(padded_max(p.H) + kMaxFloatLanes, p.threads);  // + a zero tail
 }
 
 void finalize_routing_grad_cpu(const FinalizeRoutingGradPlan& plan, const Workspace& ws, void*) {

@@ -18,6 +18,7 @@
 #include "core/host.h"
 #include "core/parallel.h"
 #include "core/simd-inl.h"
+#include "core/rows-inl.h"
 #include "hwy/highway.h"
 #include "ops/init_routing/init_routing.h"
 
@@ -26,24 +27,79 @@ namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
+// The grad_expanded_x row of slot i (null: dropped, outside the window or truncated, D29).
+template <typename T>
+HWY_INLINE const T* grad_src(const InitRoutingGradPlan& p, const int32_t* idx, const T* g,
+                             int64_t i) {
+  const int64_t d = idx[i];
+  return (d < 0 || d >= p.rows) ? nullptr : g + d * p.H;
+}
+
+// U vectors of token row r at column j (kTail: one vector of n < Lanes elements): +0 plus the
+// valid slots' rows in k order, in fp32. Prefetches ahead in each gathered row and, near its
+// end, the start of the next token's row of the same slot.
+template <size_t U, bool kTail, typename T>
+HWY_INLINE void grad_block(DF d, const InitRoutingGradPlan& p, const int32_t* idx, const T* g,
+                           int64_t r, bool has_next, size_t j, size_t n, VF* acc) {
+  const size_t L = hn::Lanes(d);
+  const int64_t K = p.K;
+  const size_t row_bytes = static_cast<size_t>(p.H) * sizeof(T);
+  for (size_t u = 0; u < U; ++u) acc[u] = hn::Zero(d);
+  for (int64_t k = 0; k < K; ++k) {
+    const T* src = grad_src(p, idx, g, r * K + k);
+    if (!src) continue;
+    const T* next = has_next ? grad_src(p, idx, g, (r + 1) * K + k) : nullptr;
+    for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
+      rows::PrefetchAhead(src, next, row_bytes, j * sizeof(T) + off);
+    }
+    for (size_t u = 0; u < U; ++u) {
+      const VF v = kTail ? rows::LoadWideN(d, src + j, n) : rows::LoadWide(d, src + j + u * L);
+      acc[u] = hn::Add(acc[u], v);
+    }
+  }
+}
+
 template <typename T>
 void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, int64_t end) {
-  const int64_t K = p.K, H = p.H, rows = p.rows;
+  const DF d;
+  const size_t L = hn::Lanes(d);
+  const size_t H = static_cast<size_t>(p.H);
   const T* g = typed<T>(p.grad_expanded_x);
   T* out = typed<T>(p.grad_x);
-  HWY_ALIGN float acc[kChunk];
-  HWY_ALIGN T stage[kChunk];
+  const bool nt = mul_sat(p.R, p.H * static_cast<int64_t>(sizeof(T))) >= rows::kStreamMinBytes;
   for (int64_t r = begin; r < end; ++r) {
-    for (int64_t h0 = 0; h0 < H; h0 += static_cast<int64_t>(kChunk)) {
-      const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
-      std::fill(acc, acc + n, 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t d = idx[r * K + k];
-        if (d < 0 || d >= rows) continue;  // dropped, outside the window, or truncated (D29)
-        const T* src = g + d * H + h0;
-        for (size_t j = 0; j < n; ++j) acc[j] += to_f32(src[j]);
+    const bool has_next = r + 1 < end;
+    T* o = out + r * p.H;
+    const bool stream = nt && rows::StreamAligned(d, o);
+    const bool stream2 = nt && rows::Stream2Aligned(d, o);
+    VF acc[4];
+    size_t j = 0;
+    for (; j + 4 * L <= H; j += 4 * L) {
+      grad_block<4, false>(d, p, idx, g, r, has_next, j, 0, acc);
+      if (stream2) {
+        rows::StreamNarrow2(d, acc[0], acc[1], o + j);
+        rows::StreamNarrow2(d, acc[2], acc[3], o + j + 2 * L);
+        continue;
       }
-      stream_chunk(acc, out + r * H + h0, n, stage);
+      for (size_t u = 0; u < 4; ++u) {
+        if (stream) {
+          rows::StreamNarrow(d, acc[u], o + j + u * L);
+        } else {
+          rows::StoreNarrow(d, acc[u], o + j + u * L);
+        }
+      }
+    }
+    for (; j + L <= H; j += L) {
+      grad_block<1, false>(d, p, idx, g, r, has_next, j, 0, acc);
+      if (stream) {
+        rows::StreamNarrow(d, acc[0], o + j);
+      } else {
+        rows::StoreNarrow(d, acc[0], o + j);
+      }
+    }
+    if (j < H) {
+      grad_block<1, true>(d, p, idx, g, r, has_next, j, H - j, acc);
+      rows::StoreNarrowN(d, acc[0], o + j, H - j);
     }
   }
   hwy::FlushStream();

@@ -112,63 +112,71 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8(DF d, VF q) {
   constexpr uint32_t kHalf = kE5M2 ? 0xfffffu : 0x7ffffu;
   constexpr int kShift = kE5M2 ? 21 : 20;
   const auto odd = hn::And(hn::ShiftRight<kShift>(a), hn::Set(du, 1u));
-  const auto normal =
+  auto normal =
       hn::ShiftRight<kShift>(hn::Add(hn::Add(a, hn::Set(du, kRebias + kHalf)), odd));
+  if (!kE5M2) {
+    // e4m3fn: for |q| >= 480 (inf and NaN included) the sum above wraps to a code >= 0x7f and
+    // below it gives at most 0x7f, so an unsigned min is the NaN-code rule. Below the normal
+    // range (no wrap: a huge value) the subnormal blend replaces it.
+    normal = hn::Min(normal, hn::Set(du, 0x7fu));
+  }
   const float magic = kE5M2 ? 128.0f : 16384.0f;
   const auto sub = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(d, a), hn::Set(d, magic))),
                            hn::Set(du, f32_bits(magic)));
   auto r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(ai, hn::Set(di, static_cast<int32_t>(kMinNormal)))), sub, normal);
-  auto big_code = hn::Set(du, kE5M2 ? 0x7cu : 0x7fu);
-  if (kE5M2) {  // NaN (above the infinity's bits) keeps a NaN code
-    big_code = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7f800000))),
-                              hn::Set(du, 0x7fu), big_code);
+  if (kE5M2) {
+    // NaN (above the infinity's bits) keeps a NaN code; |q| >= 65536 and inf give inf.
+    const auto big_code =
+        hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7f800000))),
+                       hn::Set(du, 0x7fu), hn::Set(du, 0x7cu));
+    r = hn::IfThenElse(
+        hn::RebindMask(du, hn::Gt(ai, hn::Set(di, static_cast<int32_t>(kBig - 1)))), big_code, r);
   }
-  r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, static_cast<int32_t>(kBig - 1)))),
-                     big_code, r);
   return hn::Or(r, sign);
 }
 
-// Quantises n (<= block) values: returns the scale, writes n codes.
-template <bool kE5M2>
-HWY_INLINE float QuantBlock(const float* HWY_RESTRICT v, int64_t n, float fmax, bool round_scale,
-                            uint8_t* HWY_RESTRICT out) {
-  const DF d;
-  const hn::RebindToUnsigned<DF> du;
-  const hn::Rebind<uint8_t, DF> d8;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const VF fin = hn::Set(d, 3.4028235e38f);
-  VF vmax = hn::Zero(d);
-  int64_t i = 0;
-  for (; i + N <= n; i += N) {
-    const VF a = hn::Abs(hn::LoadU(d, v + i));
-    vmax = hn::Max(vmax, hn::IfThenElseZero(hn::Le(a, fin), a));  // finite values only
-  }
-  float amax = hn::GetLane(hn::MaxOfLanes(d, vmax));
-  for (; i < n; ++i) {
-    const float a = std::fabs(v[i]);
-    amax = (a <= 3.4028235e38f && a > amax) ? a : amax;
-  }
+// The scale of a block from its amax over the finite values (§6.4); *inv is what the values
+// are multiplied by before encoding.
+HWY_INLINE float BlockScale(float amax, float fmax, bool round_scale, float* inv) {
   const float ah = std::max(amax, kAmaxFloor);
   float scale = ah / fmax;
-  float inv;
   if (round_scale) {
     scale = pow2_ceil(scale);
-    inv = 1.0f / scale;  // exact: a power of two
+    *inv = 1.0f / scale;  // exact: a power of two
   } else {
-    inv = fmax / ah;
+    *inv = fmax / ah;
   }
+  return scale;
+}
+
+// Encodes n (<= block) values times inv into n codes; with `stream`, whole aligned vectors of
+// codes go out with non-temporal stores (AVX-512: 16 codes, one 16-byte store).
+template <bool kE5M2>
+HWY_INLINE void EncodeBlock(const float* HWY_RESTRICT v, int64_t n, float inv, bool stream,
+                            uint8_t* HWY_RESTRICT out) {
+  const DF d;
+  const hn::Rebind<uint8_t, DF> d8;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const VF vinv = hn::Set(d, inv);
-  i = 0;
+  int64_t i = 0;
+#if MOEGRAD_SIMD_AVX512
+  if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    for (; i + N <= n; i += N) {
+      const auto codes = hn::TruncateTo(d8, EncodeFp8<kE5M2>(d, hn::Mul(hn::LoadU(d, v + i), vinv)));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), codes.raw);
+    }
+  }
+#else
+  (void)stream;
+#endif
   for (; i + N <= n; i += N) {
     const auto codes = EncodeFp8<kE5M2>(d, hn::Mul(hn::LoadU(d, v + i), vinv));
     hn::StoreU(hn::TruncateTo(d8, codes), d8, out + i);
   }
-  (void)du;
   for (; i < n; ++i) {
     const float q = v[i] * inv;
     out[i] = kE5M2 ? to_e5m2(q) : to_e4m3fn(q);
   }
-  return scale;
 }
 
 template <typename T, bool kE5M2>
@@ -185,10 +193,15 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
   float* sc32 = p.quant_mode == 0 ? typed<float>(p.y_scale) : nullptr;
   uint8_t* sc8 = p.quant_mode == 1 ? static_cast<uint8_t*>(p.y_scale.data) : nullptr;
   const QClamp clamp(d, p.clamp);
-  std::fill(buf, buf + 3 * kChunk, 0.0f);
+  const VF fin = hn::Set(d, 3.4028235e38f);
+  // Non-temporal stores once the codes (and y_origin) are too big to stay cached (L72).
+  const bool stream = stream_output(p.T * H * static_cast<int64_t>(yo ? 1 + sizeof(T) : 1));
+  std::fill(buf, buf + 4 * kChunk, 0.0f);
   float* a = buf;
   float* b = a + kChunk;
   float* o = b + kChunk;
+  T* stage = reinterpret_cast<T*>(o + kChunk);
+  float amax[kChunk / 32];  // per block of the current chunk (blocks of 32 or 128)
   for (int64_t t = begin; t < end; ++t) {
     uint8_t* yr = y + t * H;
     if (t >= active) {
@@ -203,32 +216,49 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
     const T* x0 = x + t * 2 * H;
     const T* x1 = x0 + H;
     for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
-      // kChunk is a multiple of both block sizes, so blocks never straddle chunks.
-      const int64_t n = std::min<int64_t>(kChunk, H - h0);
+      // kChunk is a multiple of both block sizes, so blocks never straddle chunks; a block is a
+      // whole number of vectors. One pass computes the SwiGLU values into `o` and each block's
+      // amax over the finite values (masked for the lanes past n); a second one encodes.
+      const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
       auto f = [&](VF va, VF vb) {
         va = clamp.gate(va);
         vb = clamp.up(vb);
         return hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw);
       };
+      VF vmax = hn::Zero(d);
+      auto step = [&](VF v, size_t i) {
+        hn::Store(v, d, o + i);
+        VF av = hn::Abs(v);
+        if (i + N > n) av = hn::IfThenElseZero(hn::FirstN(d, n - i), av);
+        vmax = hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);  // finite values only
+        if ((i + N) % static_cast<size_t>(B) == 0 || i + N >= n) {
+          amax[i / static_cast<size_t>(B)] = hn::GetLane(hn::MaxOfLanes(d, vmax));
+          vmax = hn::Zero(d);
+        }
+      };
       size_t i = 0;
       if constexpr (InRegister<T>::value) {
         // Whole vectors straight from memory; the tail goes through the widened chunk.
-        for (; i + N <= static_cast<size_t>(n); i += N) {
-          hn::Store(f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), d, o + i);
+        for (; i + N <= n; i += N) step(f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i);
+      }
+      if (i < n) {
+        load_chunk(x0 + h0 + i, a + i, n - i);
+        load_chunk(x1 + h0 + i, b + i, n - i);
+        for (; i < n; i += N) step(f(hn::Load(d, a + i), hn::Load(d, b + i)), i);
+      }
+      if (yo) {
+        if (stream) {
+          stream_chunk(o, yo + t * H + h0, n, stage);
+        } else {
+          store_chunk(o, yo + t * H + h0, n);
         }
       }
-      if (i < static_cast<size_t>(n)) {
-        load_chunk(x0 + h0 + i, a + i, static_cast<size_t>(n) - i);
-        load_chunk(x1 + h0 + i, b + i, static_cast<size_t>(n) - i);
-        for (; i < padded(static_cast<size_t>(n)); i += N) {
-          hn::Store(f(hn::Load(d, a + i), hn::Load(d, b + i)), d, o + i);
-        }
-      }
-      if (yo) store_chunk(o, yo + t * H + h0, static_cast<size_t>(n));
-      for (int64_t j = 0; j < n; j += B) {
-        const int64_t blk = (h0 + j) / B;
-        const float s = QuantBlock<kE5M2>(o + j, std::min(B, n - j), fmax, p.round_scale,
-                                          yr + h0 + j);
+      for (size_t j = 0; j < n; j += static_cast<size_t>(B)) {
+        const int64_t blk = (h0 + static_cast<int64_t>(j)) / B;
+        float inv;
+        const float s = BlockScale(amax[j / static_cast<size_t>(B)], fmax, p.round_scale, &inv);
+        EncodeBlock<kE5M2>(o + j, std::min<int64_t>(B, static_cast<int64_t>(n - j)), inv, stream,
+                           yr + h0 + static_cast<int64_t>(j));
         if (sc32) {
           sc32[t * S + blk] = s;
         } else {
@@ -238,6 +268,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
     }
     if (sc8 && S > p.blocks) sc8[t * S + p.blocks] = 0;  // the pad of an odd block count
   }
+  hwy::FlushStream();
 }
 
 }  // namespace
@@ -247,7 +278,7 @@ void SwigluQuantForward(const SwigluQuantPlan& p) {
   dispatch_float(p.x.dtype, "x", [&](auto tag) {
     using T = typename decltype(tag)::type;
     parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
-      HWY_ALIGN float buf[3 * kChunk];  // bounded scratch on the stack (L14)
+      HWY_ALIGN float buf[4 * kChunk];  // bounded scratch on the stack (L14)
       if (p.e5m2) {
         QuantRows<T, true>(p, active, buf, b, e);
       } else {
