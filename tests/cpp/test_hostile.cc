@@ -298,6 +298,29 @@ TEST(Fuzzed, InitRoutingHugeExpertNumIsAnErrorNotAnOverflowedWorkspace) {
                e, ACLNN_ERR_INNER_NULLPTR, "expert_num");
 }
 
+TEST(Fuzzed, InitRoutingV3ExpertNumBoundsTheWholeCountingWorkspace) {
+  // Found by fuzz_init_routing_v3: the histogram alone stayed below the bound, the histogram
+  // plus the starts array did not (a workspace of ~3e18 bytes was planned).
+  Tensor x({2, 4}, ACL_FLOAT), eidx = Tensor::from_i32({2, 1}, {0, 1}), ex({2, 4}, ACL_FLOAT),
+      idx({2}, ACL_INT32);
+  uint64_t ws = 0;
+  aclOpExecutor* e = nullptr;
+  const int64_t E = int64_t{1} << 58;  // 4 * (E + 1) bytes per array: just above 2^60 each
+  expect_fails(aclnnMoeInitRoutingV3GetWorkspaceSize(x.handle(), eidx.handle(), nullptr, nullptr,
+                                                     0, 0, E, 0, 1, false, -1, nullptr, 0,
+                                                     ex.handle(), idx.handle(), nullptr, nullptr,
+                                                     &ws, &e),
+               e, ACLNN_ERR_INNER_NULLPTR, "expert_num");
+  // A large but plannable E still plans.
+  ASSERT_EQ(aclnnMoeInitRoutingV3GetWorkspaceSize(x.handle(), eidx.handle(), nullptr, nullptr, 0,
+                                                  0, 1 << 20, 0, 1, false, -1, nullptr, 0,
+                                                  ex.handle(), idx.handle(), nullptr, nullptr,
+                                                  &ws, &e),
+            ACLNN_SUCCESS);
+  EXPECT_LT(ws, uint64_t{1} << 30);
+  aclDestroyAclOpExecutor(e);
+}
+
 TEST(Fuzzed, FinalizeBiasGradNamesTheOddTensorAndBoundsExpertNum) {
   Tensor gy({3, 4}, ACL_FLOAT), eidx = Tensor::from_i32({3, 2}, {0, 1, 2, 0, 1, 2}),
       scales({2, 2}, ACL_FLOAT), gb({3, 4}, ACL_FLOAT);

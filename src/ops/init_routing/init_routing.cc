@@ -201,12 +201,12 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   }
   p.chunks = chunks;
   // expert_num is an attribute, not bounded by any tensor when no count output is asked for:
-  // the histogram workspace (4 bytes per expert and chunk) must be refused before it overflows
-  // (L52).
-  const int64_t hist_bytes = mul_sat(mul_sat(add_sat(counted_bins, 1), 4), chunks);
-  v.check_shape(hist_bytes < (int64_t{1} << 61), "expert_num",
-                "the per-expert counting workspace (4 bytes per expert) must stay below 2^61 "
-                "bytes; got expert_num ", E);
+  // the counting workspace (4 bytes per expert for the starts and for each chunk's histogram)
+  // must be refused before it, or the whole workspace with it, overflows (L52).
+  const int64_t count_bytes = mul_sat(mul_sat(add_sat(counted_bins, 1), 4), chunks + 1);
+  v.check_shape(count_bytes < (int64_t{1} << 60), "expert_num",
+                "the per-expert counting workspace (4 bytes per expert and sort chunk, plus "
+                "the starts) must stay below 2^60 bytes; got expert_num ", E);
   return p;
 }
 
