@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every libFuzzer harness of build/fuzz for a while; exits non-zero on the first finding.
 # usage: tests/fuzz/run.sh SECONDS [RUNS]   (RUNS > 0: stop each harness after RUNS inputs)
+# FUZZ_SEED=N fixes libFuzzer's seed: with RUNS, the same inputs on every run of one commit (CI).
 # The committed seed corpora (tests/fuzz/corpus/<harness>) are read, never written: new inputs
 # go to build/fuzz/corpus/<harness>, crashes to build/fuzz/artifacts/ (docs/testing.md).
 set -euo pipefail
@@ -20,7 +21,8 @@ for exe in "$BUILD"/tests/fuzz/fuzz_*; do
   mkdir -p "$work" "$seeds"
   log="$BUILD/$name.log"
   echo "== $name: ${SECONDS_EACH}s${RUNS:+ (runs $RUNS)}"
-  if ! "$exe" -max_total_time="$SECONDS_EACH" -runs="$RUNS" -timeout=20 -rss_limit_mb=2048 \
+  if ! "$exe" -max_total_time="$SECONDS_EACH" -runs="$RUNS" ${FUZZ_SEED:+-seed="$FUZZ_SEED"} \
+      -timeout=20 -rss_limit_mb=2048 \
       -max_len="${FUZZ_MAX_LEN:-512}" -print_final_stats=1 -artifact_prefix="$BUILD/artifacts/$name-" \
       "$work" "$seeds" >"$log" 2>&1; then
     echo "FINDING in $name (log: $log)"; tail -n 40 "$log"; status=1
