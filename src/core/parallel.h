@@ -22,6 +22,12 @@ inline int64_t padded_max(int64_t n) {
   return (n + kMaxFloatLanes - 1) / kMaxFloatLanes * kMaxFloatLanes;
 }
 
+// Whether a kernel output of `bytes` goes out with non-temporal stores: only when it is too big
+// to stay in the last-level cache for the op that reads it next anyway (8 MiB and up; L72, L87);
+// smaller outputs are stored normally and stay cached. One threshold for every CPU kernel.
+constexpr int64_t kStreamOutputMinBytes = int64_t{8} << 20;
+inline bool stream_output(int64_t bytes) { return bytes >= kStreamOutputMinBytes; }
+
 // Stage one: the threads a loop over n rows with chunks of >= `grain` rows will use (0 for no
 // rows). Stored in the plan and handed to parallel_rows, so per-thread scratch can be sized.
 inline int plan_threads(int64_t n, int64_t grain) {

@@ -99,11 +99,6 @@ HWY_INLINE void StreamNarrow(DF d, VF v, T* HWY_RESTRICT p) {
   }
 }
 
-// Outputs below this size are written with ordinary stores: they stay in the cache for the op
-// that reads them next (as moe_init_routing's expanded_x, docs/decisions.md L87). Larger ones
-// cannot stay there anyway and go out with non-temporal stores.
-constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
-
 // Whether a row of n elements of T at p can be written with Stream for its whole vectors.
 template <typename T>
 HWY_INLINE bool StreamAligned(DF d, const T* p) {

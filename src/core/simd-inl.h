@@ -200,12 +200,6 @@ HWY_INLINE void store_chunk(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst, 
   for (; i < n; ++i) dst[i] = from_f32<T>(src[i]);
 }
 
-// Whether a kernel output of `bytes` goes out with non-temporal stores: only when it is too big
-// to stay in the last-level cache for its consumer anyway (a few MiB and up); smaller outputs
-// are stored normally and stay cached.
-constexpr int64_t kStreamOutputMinBytes = int64_t{8} << 20;
-inline bool stream_output(int64_t bytes) { return bytes >= kStreamOutputMinBytes; }
-
 // Like store_chunk, for destinations that are not read again soon (kernel outputs): whole
 // aligned vectors go out with non-temporal stores, which skip the read-for-ownership of each
 // destination cache line (a third of the traffic of a write-only stream). `stage` holds

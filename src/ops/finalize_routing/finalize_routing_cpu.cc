@@ -132,7 +132,7 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
   const T* x2 = p.has_x2 ? typed<T>(p.x2) : nullptr;
   T* out = typed<T>(p.out);
   // Non-temporal stores only for outputs too large to stay in the cache (L87).
-  const bool big = mul_sat(p.R, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
+  const bool big = stream_output(mul_sat(p.R, static_cast<int64_t>(row_bytes)));
   SlotRef* tabs = ws.get<SlotRef>(p.ws_slots, tid);  // two tables of K slots: this token, next
   if (begin < end) forward_slots<T, S>(p, idx, eidx, begin, tabs);
   for (int64_t r = begin; r < end; ++r) {
@@ -250,7 +250,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
   const T* bias = p.has_bias ? typed<T>(p.bias) : nullptr;
   T* gex = typed<T>(p.grad_expanded_x);
   S* gs = typed<S>(p.grad_scales);
-  const bool nt = mul_sat(p.rows, static_cast<int64_t>(row_bytes)) >= rows::kStreamMinBytes;
+  const bool nt = stream_output(mul_sat(p.rows, static_cast<int64_t>(row_bytes)));
   float* g = ws.get<float>(p.ws_g, tid);  // H, padded to whole vectors with +0
   const size_t Hv = H / L * L;
   std::fill(g + Hv, g + Hv + L, 0.0f);

@@ -66,7 +66,7 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
   const size_t H = static_cast<size_t>(p.H);
   const T* g = typed<T>(p.grad_expanded_x);
   T* out = typed<T>(p.grad_x);
-  const bool nt = mul_sat(p.R, p.H * static_cast<int64_t>(sizeof(T))) >= rows::kStreamMinBytes;
+  const bool nt = stream_output(mul_sat(p.R, p.H * static_cast<int64_t>(sizeof(T))));
   for (int64_t r = begin; r < end; ++r) {
     const bool has_next = r + 1 < end;
     T* o = out + r * p.H;
@@ -106,10 +106,6 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
 }
 
 
-// Outputs below this size stay in the cache for their consumer (the expert GEMM reads
-// expanded_x next): plain stores. Larger ones cannot stay there anyway: non-temporal stores.
-constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
-
 // One row of expanded_x: a copy of `src` (or +0.0 when src is null). With `nt`, written with
 // non-temporal stores for the whole aligned vectors (this skips the read-for-ownership of each
 // destination line), memcpy/memset for the ragged ends.
@@ -148,7 +144,7 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
   const size_t rb = static_cast<size_t>(p.H * dtype_size(p.x.dtype));
   const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
   unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
-  const bool nt = mul_sat(p.rows, static_cast<int64_t>(rb)) >= kStreamMinBytes;
+  const bool nt = stream_output(mul_sat(p.rows, static_cast<int64_t>(rb)));
   if (p.mode == 0) {
     parallel_rows(p.rows, p.threads, [&](int, int64_t d0, int64_t d1) {
       for (int64_t d = d0; d < d1; ++d) {
