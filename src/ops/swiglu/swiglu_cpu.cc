@@ -15,6 +15,7 @@
 #include "core/parallel.h"
 #include "core/simd-inl.h"
 #include "hwy/highway.h"
+#include "ops/swiglu/swiglu-inl.h"
 #include "ops/swiglu/swiglu.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -22,18 +23,43 @@ namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
-// The clamp of §5.5 step 2 (x0 <- min(x0, c); x1 <- clamp(x1, -c, c)); NaN passes through.
-struct Clamp {
-  VF c, nc;
-  bool on;
-  Clamp(DF d, float limit) : c(hn::Set(d, limit)), nc(hn::Set(d, -limit)), on(limit > 0.0f) {}
-  VF gate(VF v) const { return on ? hn::IfThenElse(hn::Gt(v, c), c, v) : v; }
-  VF up(VF v) const {
-    return on ? hn::IfThenElse(hn::Gt(v, c), c, hn::IfThenElse(hn::Lt(v, nc), nc, v)) : v;
-  }
-};
-
+// grad_weight = sum of grad_y(h) * y_origin(h) in a fixed order: 8 partial sums (element h to
+// partial sum h mod 8, added in column order), then a fixed tree; the bits do not depend on
+// the thread count (D16). Whole 8-element groups are widened in registers (8-lane vectors, or
+// 2 x 4 / 8 x 1 lanes on narrower targets, with the same per-partial-sum order). Each step is
+// one fused multiply-add where the target has FMA (AVX2, AVX-512), for every dtype
+// (docs/decisions.md L95).
 template <typename T>
+HWY_INLINE float GradWeightDot(int64_t n, const T* HWY_RESTRICT a, const T* HWY_RESTRICT b) {
+  constexpr int kLanes = 8;
+  HWY_ALIGN float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  if constexpr (InRegister<T>::value) {
+    const hn::CappedTag<float, kLanes> d8;
+    constexpr size_t kMax = hn::MaxLanes(hn::CappedTag<float, kLanes>());
+    constexpr int kVecs = kLanes / static_cast<int>(kMax);
+    const size_t n8 = hn::Lanes(d8);
+    if (n8 == kMax) {
+      hn::Vec<decltype(d8)> v[kVecs];
+      for (int k = 0; k < kVecs; ++k) v[k] = hn::Zero(d8);
+      for (; i + kLanes <= n; i += kLanes) {
+        for (int k = 0; k < kVecs; ++k) {
+          v[k] = hn::MulAdd(LoadF8(d8, a + i + k * kMax), LoadF8(d8, b + i + k * kMax), v[k]);
+        }
+      }
+      for (int k = 0; k < kVecs; ++k) hn::Store(v[k], d8, acc + k * kMax);
+    }
+  }
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += to_f32(a[i + l]) * to_f32(b[i + l]);
+  }
+  for (int l = 0; i < n; ++i, ++l) acc[l] += to_f32(a[i]) * to_f32(b[i]);
+  const float s01 = acc[0] + acc[1], s23 = acc[2] + acc[3];
+  const float s45 = acc[4] + acc[5], s67 = acc[6] + acc[7];
+  return (s01 + s23) + (s45 + s67);
+}
+
+template <typename T, bool kClamp>
 void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin, int64_t end) {
   const DF d;
   const size_t N = hn::Lanes(d);
@@ -41,7 +67,7 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   const T* x = typed<T>(p.x);
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   T* y = typed<T>(p.y);
-  const Clamp clamp(d, p.clamp);
+  const SwigluClamp<kClamp> clamp(d, p.clamp);
   const bool stream = stream_output(p.T * H * static_cast<int64_t>(sizeof(T)));
   std::fill(buf, buf + 4 * kChunk, 0.0f);
   float* a = buf;
@@ -93,7 +119,7 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   hwy::FlushStream();
 }
 
-template <typename T>
+template <typename T, bool kClamp>
 void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t begin,
                   int64_t end) {
   const DF d;
@@ -106,7 +132,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
   const T* yo = want_gw ? typed<T>(p.y_origin) : nullptr;
   T* gx = typed<T>(p.grad_x);
   float* gw = want_gw ? typed<float>(p.grad_weight) : nullptr;
-  const Clamp clamp(d, p.clamp);
+  const SwigluClamp<kClamp> clamp(d, p.clamp);
   const VF one = hn::Set(d, 1.0f);
   const bool stream = stream_output(p.T * 2 * H * static_cast<int64_t>(sizeof(T)));
   std::fill(buf, buf + 6 * kChunk, 0.0f);
@@ -136,7 +162,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
       const VF dsilu = hn::Mul(s, hn::Add(one, hn::Mul(va, hn::Sub(one, s))));
       vga = hn::Mul(hn::Mul(gyw, vb), dsilu);
       vgb = hn::Mul(gyw, silu);
-      if (clamp.on) {
+      if constexpr (kClamp) {
         // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
         vga = hn::IfThenElseZero(hn::Lt(a0, clamp.c), vga);
         vgb = hn::IfThenElseZero(hn::And(hn::Gt(b0, clamp.nc), hn::Lt(b0, clamp.c)), vgb);
@@ -183,8 +209,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
     }
     if (gw) {
       const T* yr = yo + t * H;
-      gw[t] = Dot8(H, [&](int64_t h) { return to_f32(gyr[h]); },
-                   [&](int64_t h) { return to_f32(yr[h]); });
+      gw[t] = GradWeightDot(H, gyr, yr);
     }
   }
   hwy::FlushStream();
@@ -198,7 +223,7 @@ void SwigluForward(const SwigluPlan& p) {
     using T = typename decltype(tag)::type;
     parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
       HWY_ALIGN float buf[4 * kChunk];
-      ForwardRows<T>(p, active, buf, b, e);
+      WithClamp(p.clamp, [&](auto on) { ForwardRows<T, decltype(on)::value>(p, active, buf, b, e); });
     });
   });
 }
@@ -209,7 +234,7 @@ void SwigluBackward(const SwigluGradPlan& p) {
     using T = typename decltype(tag)::type;
     parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
       HWY_ALIGN float buf[6 * kChunk];
-      BackwardRows<T>(p, active, buf, b, e);
+      WithClamp(p.clamp, [&](auto on) { BackwardRows<T, decltype(on)::value>(p, active, buf, b, e); });
     });
   });
 }
