@@ -60,26 +60,6 @@ HWY_INLINE void WithClamp(float limit, F&& f) {
   }
 }
 
-// Loads of up to 8 lanes widened to fp32 (for the 8-partial-sum grad_weight dot product).
-template <class D8>
-HWY_INLINE hn::Vec<D8> LoadF8(D8 d, const float* HWY_RESTRICT p) {
-  return hn::LoadU(d, p);
-}
-template <class D8>
-HWY_INLINE hn::Vec<D8> LoadF8(D8 d, const bf16_t* HWY_RESTRICT p) {
-  const hn::RebindToUnsigned<D8> du32;
-  const hn::Rebind<uint16_t, D8> du16;
-  const auto bits = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
-  return hn::BitCast(d, hn::ShiftLeft<16>(bits));
-}
-#if MOEGRAD_SIMD_F16C
-template <class D8>
-HWY_INLINE hn::Vec<D8> LoadF8(D8 d, const half_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, D8> dh;
-  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
-}
-#endif
-
 }  // namespace HWY_NAMESPACE
 }  // namespace moegrad
 HWY_AFTER_NAMESPACE();

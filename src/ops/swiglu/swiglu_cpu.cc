@@ -23,40 +23,48 @@ namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
-// grad_weight = sum of grad_y(h) * y_origin(h) in a fixed order: 8 partial sums (element h to
-// partial sum h mod 8, added in column order), then a fixed tree; the bits do not depend on
-// the thread count (D16). Whole 8-element groups are widened in registers (8-lane vectors, or
-// 2 x 4 / 8 x 1 lanes on narrower targets, with the same per-partial-sum order). Each step is
-// one fused multiply-add where the target has FMA (AVX2, AVX-512), for every dtype
-// (docs/decisions.md L95).
+// grad_weight = sum of grad_y(h) * y_origin(h) in a fixed order (docs/decisions.md L95): 64
+// partial sums (element h goes to partial sum h mod 64, added in column order, one fused
+// multiply-add per element where the target has FMA), then a fixed pairwise tree (partial i +
+// partial i + 32, then i + 16, ...). The order is the same on every SIMD target (64 lanes = 4
+// AVX-512, 8 AVX2 or 16 SSE4 vectors) and for any thread count (D16); the 64 partial sums are
+// independent register chains, so the loop is not bound by the latency of one chain.
+constexpr size_t kGwLanes = 64;
+
 template <typename T>
 HWY_INLINE float GradWeightDot(int64_t n, const T* HWY_RESTRICT a, const T* HWY_RESTRICT b) {
-  constexpr int kLanes = 8;
-  HWY_ALIGN float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  HWY_ALIGN float part[kGwLanes];
   int64_t i = 0;
-  if constexpr (InRegister<T>::value) {
-    const hn::CappedTag<float, kLanes> d8;
-    constexpr size_t kMax = hn::MaxLanes(hn::CappedTag<float, kLanes>());
-    constexpr int kVecs = kLanes / static_cast<int>(kMax);
-    const size_t n8 = hn::Lanes(d8);
-    if (n8 == kMax) {
-      hn::Vec<decltype(d8)> v[kVecs];
-      for (int k = 0; k < kVecs; ++k) v[k] = hn::Zero(d8);
-      for (; i + kLanes <= n; i += kLanes) {
-        for (int k = 0; k < kVecs; ++k) {
-          v[k] = hn::MulAdd(LoadF8(d8, a + i + k * kMax), LoadF8(d8, b + i + k * kMax), v[k]);
+  const DF d;
+  const size_t N = hn::Lanes(d);
+  constexpr size_t kMaxVecs = kGwLanes / hn::MaxLanes(DF()) > 0 ? kGwLanes / hn::MaxLanes(DF()) : 1;
+  if constexpr (InRegister<T>::value && kGwLanes % hn::MaxLanes(DF()) == 0) {
+    if (N * kMaxVecs == kGwLanes) {
+      VF acc[kMaxVecs];
+      for (size_t k = 0; k < kMaxVecs; ++k) acc[k] = hn::Zero(d);
+      for (; i + static_cast<int64_t>(kGwLanes) <= n; i += kGwLanes) {
+        for (size_t k = 0; k < kMaxVecs; ++k) {
+          acc[k] = hn::MulAdd(LoadF(d, a + i + k * N), LoadF(d, b + i + k * N), acc[k]);
         }
       }
-      for (int k = 0; k < kVecs; ++k) hn::Store(v[k], d8, acc + k * kMax);
+      for (size_t k = 0; k < kMaxVecs; ++k) hn::Store(acc[k], d, part + k * N);
+    } else {
+      for (size_t l = 0; l < kGwLanes; ++l) part[l] = 0.0f;
     }
+  } else {
+    for (size_t l = 0; l < kGwLanes; ++l) part[l] = 0.0f;
   }
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += to_f32(a[i + l]) * to_f32(b[i + l]);
+  // The rest (and every element where the vectors above do not apply) one lane at a time, with
+  // the same fused multiply-add semantics as the vectors (hn::MulAdd on one-lane vectors).
+  const hn::CappedTag<float, 1> d1;
+  for (size_t l = static_cast<size_t>(i) % kGwLanes; i < n; ++i, l = (l + 1) % kGwLanes) {
+    const auto pa = hn::Set(d1, to_f32(a[i])), pb = hn::Set(d1, to_f32(b[i]));
+    part[l] = hn::GetLane(hn::MulAdd(pa, pb, hn::Set(d1, part[l])));
   }
-  for (int l = 0; i < n; ++i, ++l) acc[l] += to_f32(a[i]) * to_f32(b[i]);
-  const float s01 = acc[0] + acc[1], s23 = acc[2] + acc[3];
-  const float s45 = acc[4] + acc[5], s67 = acc[6] + acc[7];
-  return (s01 + s23) + (s45 + s67);
+  for (size_t w = kGwLanes / 2; w >= 1; w /= 2) {
+    for (size_t l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
+  }
+  return part[0];
 }
 
 template <typename T, bool kClamp>
