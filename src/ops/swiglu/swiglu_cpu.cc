@@ -91,10 +91,12 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
     const VF vw = hn::Set(d, w ? w[t] : 1.0f);
     const T* x0 = x + t * 2 * H;
     const T* x1 = x0 + H;
+    // bf16/fp16 outputs: the shorter sigmoid (docs/decisions.md L96).
+    constexpr bool kSixteen = !std::is_same_v<T, float>;
     auto f = [&](VF va, VF vb) {
       va = clamp.gate(va);
       vb = clamp.up(vb);
-      return hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw);
+      return hn::Mul(hn::Mul(hn::Mul(va, SigmoidT<kSixteen>(d, va)), vb), vw);
     };
     int64_t h0 = 0;
     if constexpr (InRegister<T>::value) {
