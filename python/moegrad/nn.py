@@ -30,7 +30,7 @@ def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
     es = x.element_size()
-    if (x.shape[-1] * es) % 16 or (w.shape[-1] * es) % 16:
+    if (w.shape[-2] * es) % 16 or (w.shape[-1] * es) % 16:
         return False
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
@@ -111,14 +111,18 @@ def _grouped_mm_bwd(ctx, grad):
 _grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
 
 
-def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor,
+               host_counts: Optional[Tensor] = None) -> Tensor:
     """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B].
     torch._grouped_mm on CUDA bf16 sm90+, else the operator moegrad::grouped_mm (differentiable,
-    compiles without a graph break; it reads the expert sizes on the host)."""
+    compiles without a graph break; it reads the expert sizes on the host, from host_counts (a
+    CPU copy of counts) when given: then a CUDA call syncs for neither its forward nor its
+    backward)."""
     if _grouped_mm_ok(x, w) and x.shape[0] > 0:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    return _grouped_mm_op(x.contiguous(), w.contiguous(), counts)
+    return _grouped_mm_op(x.contiguous(), w.contiguous(),
+                          counts if host_counts is None else host_counts)
 
 
 # -------------------------------------------------------------------- expert-parallel comms --
@@ -276,9 +280,15 @@ class MoE(nn.Module):
     # -- experts ------------------------------------------------------------------------------
     def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
-        up = grouped_mm(rows, self.w_up, counts)
+        # One device-to-host copy of the sizes serves all four GEMM passes (forward and backward
+        # of both projections) that run through moegrad::grouped_mm on CUDA.
+        host = None
+        if counts.is_cuda and not (_grouped_mm_ok(rows, self.w_up)
+                                   and _grouped_mm_ok(rows, self.w_down)):
+            host = counts.cpu()
+        up = grouped_mm(rows, self.w_up, counts, host)
         act = _mg.swiglu_group(up, group_index=counts, clamp_limit=self.clamp_limit)
-        return grouped_mm(act, self.w_down, counts)
+        return grouped_mm(act, self.w_down, counts, host)
 
     def _experts_padded(self, rows: Tensor) -> Tensor:
         """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""
