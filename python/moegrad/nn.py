@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
+from moegrad import _C
 from moegrad._ops import _op
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
@@ -46,13 +47,26 @@ def _slices(counts: Tensor, rows: int) -> List[int]:
     return sizes + [rest]
 
 
+_HUGE_MIN_BYTES = 4 << 20  # below two whole 2 MiB pages the advice cannot apply
+
+
+def _empty(like: Tensor, shape) -> Tensor:
+    """An output of the expert GEMMs; on the CPU a large one is advised onto huge pages, as
+    moegrad's operators do with theirs (L102): each step allocates these anew, and with 4 KiB
+    pages their first-touch faults and their unmapping cost more than the GEMMs' own stores."""
+    t = like.new_empty(shape)
+    if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES:
+        _C._advise_huge_pages(t.data_ptr(), t.nbytes)
+    return t
+
+
 @_op("moegrad::grouped_mm")
 def _grouped_mm_op(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """x [rows, A] grouped by expert (counts [E]) times w [E, A, B] -> [rows, B]; rows past
     sum(counts) are zero. One GEMM per expert written in place into its slice of the output,
     and an opaque operator, so torch.compile keeps one graph around it."""
     sizes = _slices(counts, x.shape[0])
-    out = x.new_empty((x.shape[0], w.shape[-1]))
+    out = _empty(x, (x.shape[0], w.shape[-1]))
     outs, xs = out.split(sizes), x.split(sizes)
     for e in range(len(sizes) - 1):
         if sizes[e]:
@@ -73,8 +87,8 @@ def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, 
     by expert into one stacked tensor: no per-expert full-size zero tensors (what autograd of
     `xe @ w[e]` accumulates), and experts without rows get zeros."""
     sizes = _slices(counts, x.shape[0])
-    gx = grad.new_empty(x.shape) if need_x else grad.new_empty((0,))
-    gw = grad.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    gx = _empty(grad, x.shape) if need_x else grad.new_empty((0,))
+    gw = _empty(grad, w.shape) if need_w else grad.new_empty((0,))
     gs, xs = grad.split(sizes), x.split(sizes)
     gxs = gx.split(sizes) if need_x else None
     for e in range(len(sizes) - 1):

@@ -238,6 +238,30 @@ def test_grouped_mm_opcheck_and_errors():
                                                  torch.autograd.grad(y2, (x, w), g)))
 
 
+def test_grouped_mm_large_outputs_on_huge_pages():
+    # Outputs above the huge-page threshold (8 MB out, 4 MB grad_x, 4 MB grad_w) take the
+    # advised allocation; the values must not notice.
+    from moegrad import _C
+    from moegrad.nn import grouped_mm
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.tensor([700, 0, 1348])
+    x = torch.randn(2048, 512, generator=gen, requires_grad=True)
+    w = torch.randn(3, 512, 1024, generator=gen, requires_grad=True)
+    g = torch.randn(2048, 1024, generator=gen)
+    y = grouped_mm(x, w, counts)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    ref = torch.cat([x[:700] @ w[0], x[700:] @ w[2]])
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    assert torch.equal(y, ref)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+    assert torch.all(gw[1] == 0)
+    for p, n in ((0, 0), (0, 1 << 30), (x.data_ptr() + 3, 1000), (x.data_ptr(), x.nbytes)):
+        _C._advise_huge_pages(p, n)   # advice only: null, tiny and unaligned ranges are no-ops
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_mm_host_counts_do_not_sync_on_cuda():
     # With the sizes already on the host, neither the forward nor the backward of the fallback
