@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
+from moegrad import _C
 from moegrad._ops import _op
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
@@ -30,7 +31,7 @@ def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or not x.is_cuda:
         return False
     es = x.element_size()
-    if (x.shape[-1] * es) % 16 or (w.shape[-1] * es) % 16:
+    if (w.shape[-2] * es) % 16 or (w.shape[-1] * es) % 16:
         return False
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
@@ -46,13 +47,26 @@ def _slices(counts: Tensor, rows: int) -> List[int]:
     return sizes + [rest]
 
 
+_HUGE_MIN_BYTES = 4 << 20  # below two whole 2 MiB pages the advice cannot apply
+
+
+def _empty(like: Tensor, shape) -> Tensor:
+    """An output of the expert GEMMs; on the CPU a large one is advised onto huge pages, as
+    moegrad's operators do with theirs (L102): each step allocates these anew, and with 4 KiB
+    pages their first-touch faults and their unmapping cost more than the GEMMs' own stores."""
+    t = like.new_empty(shape)
+    if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES:
+        _C._advise_huge_pages(t.data_ptr(), t.nbytes)
+    return t
+
+
 @_op("moegrad::grouped_mm")
 def _grouped_mm_op(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """x [rows, A] grouped by expert (counts [E]) times w [E, A, B] -> [rows, B]; rows past
     sum(counts) are zero. One GEMM per expert written in place into its slice of the output,
     and an opaque operator, so torch.compile keeps one graph around it."""
     sizes = _slices(counts, x.shape[0])
-    out = x.new_empty((x.shape[0], w.shape[-1]))
+    out = _empty(x, (x.shape[0], w.shape[-1]))
     outs, xs = out.split(sizes), x.split(sizes)
     for e in range(len(sizes) - 1):
         if sizes[e]:
@@ -73,8 +87,8 @@ def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, 
     by expert into one stacked tensor: no per-expert full-size zero tensors (what autograd of
     `xe @ w[e]` accumulates), and experts without rows get zeros."""
     sizes = _slices(counts, x.shape[0])
-    gx = grad.new_empty(x.shape) if need_x else grad.new_empty((0,))
-    gw = grad.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    gx = _empty(grad, x.shape) if need_x else grad.new_empty((0,))
+    gw = _empty(grad, w.shape) if need_w else grad.new_empty((0,))
     gs, xs = grad.split(sizes), x.split(sizes)
     gxs = gx.split(sizes) if need_x else None
     for e in range(len(sizes) - 1):
@@ -111,14 +125,18 @@ def _grouped_mm_bwd(ctx, grad):
 _grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
 
 
-def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor,
+               host_counts: Optional[Tensor] = None) -> Tensor:
     """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B].
     torch._grouped_mm on CUDA bf16 sm90+, else the operator moegrad::grouped_mm (differentiable,
-    compiles without a graph break; it reads the expert sizes on the host)."""
+    compiles without a graph break; it reads the expert sizes on the host, from host_counts (a
+    CPU copy of counts) when given: then a CUDA call syncs for neither its forward nor its
+    backward)."""
     if _grouped_mm_ok(x, w) and x.shape[0] > 0:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    return _grouped_mm_op(x.contiguous(), w.contiguous(), counts)
+    return _grouped_mm_op(x.contiguous(), w.contiguous(),
+                          counts if host_counts is None else host_counts)
 
 
 # -------------------------------------------------------------------- expert-parallel comms --
@@ -276,9 +294,15 @@ class MoE(nn.Module):
     # -- experts ------------------------------------------------------------------------------
     def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
-        up = grouped_mm(rows, self.w_up, counts)
+        # One device-to-host copy of the sizes serves all four GEMM passes (forward and backward
+        # of both projections) that run through moegrad::grouped_mm on CUDA.
+        host = None
+        if counts.is_cuda and not (_grouped_mm_ok(rows, self.w_up)
+                                   and _grouped_mm_ok(rows, self.w_down)):
+            host = counts.cpu()
+        up = grouped_mm(rows, self.w_up, counts, host)
         act = _mg.swiglu_group(up, group_index=counts, clamp_limit=self.clamp_limit)
-        return grouped_mm(act, self.w_down, counts)
+        return grouped_mm(act, self.w_down, counts, host)
 
     def _experts_padded(self, rows: Tensor) -> Tensor:
         """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/host.h"
 #include "moegrad/moegrad.h"
 
 namespace nb = nanobind;
@@ -183,6 +184,11 @@ NB_MODULE(_C, m) {
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("_validation_count", &validation_count);
+  // Huge-page advice for a large host tensor moegrad allocates outside a plan (the expert GEMM
+  // outputs of moegrad.nn); addresses come from torch's data_ptr.
+  m.def("_advise_huge_pages", [](uintptr_t data, uint64_t bytes) {
+    advise_huge_pages(reinterpret_cast<void*>(data), bytes);
+  }, nb::arg("data"), nb::arg("bytes"));
 
   // ---- the two stages of the Python front: plan_<op>(inputs, attrs) -> (plan, outputs,
   // workspace bytes); run(plan, outputs, workspace, stream) ----

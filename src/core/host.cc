@@ -99,20 +99,26 @@ const int32_t* index32(const TensorView& t, int32_t* scratch) {
   return scratch;
 }
 
-void advise_output(const TensorView& t) {
+void advise_huge_pages(void* data, uint64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (t.device != Device::kCPU || t.data == nullptr) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data);
-  const uintptr_t end = begin + static_cast<uintptr_t>(t.numel() * dtype_size(t.dtype));
+  if (data == nullptr) return;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
   const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t last = end & ~(kHuge - 1);
   if (last > first && last - first >= 2 * kHuge) {
     madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
   }
 #else
-  (void)t;
+  (void)data;
+  (void)bytes;
 #endif
+}
+
+void advise_output(const TensorView& t) {
+  if (t.device != Device::kCPU || t.data == nullptr) return;
+  advise_huge_pages(t.data, static_cast<uint64_t>(t.numel() * dtype_size(t.dtype)));
 }
 
 }  // namespace moegrad

@@ -30,6 +30,9 @@ const int32_t* index32(const TensorView& t, int32_t* scratch);
 // written: a freshly allocated multi-GB output otherwise costs one page fault per 4 KiB, which
 // can exceed the kernel's own time. Advice only; a no-op where unsupported.
 void advise_output(const TensorView& t);
+// The same for `bytes` of host memory at `data` (only whole 2 MiB pages inside it, and only
+// when there are at least two); the Python front uses it for the expert GEMMs' outputs.
+void advise_huge_pages(void* data, uint64_t bytes);
 
 }  // namespace moegrad
 

@@ -336,22 +336,42 @@ HWY_INLINE void stream_chunk(const float* HWY_RESTRICT src, T* HWY_RESTRICT dst,
 // exp(x) for x in [-104, 89] (the callers clamp; NaN passes the clamps on x86 and is blended
 // back by the callers anyway): n = round(x / ln 2) by the 1.5 * 2^23 trick, r = x - n ln 2 in
 // two FMA steps (Cody-Waite), e^r by a degree-6 polynomial in Horner form (fitted here for
-// relative error on |r| <= ln2 / 2: 2e-9 before float rounding), times 2^n: VSCALEFPS on AVX-512 (one rounding, denormal results included),
-// elsewhere two exact power-of-two multiplies (the second one rounds). Max error measured over
+// relative error on |r| <= ln2 / 2: 2e-9 before float rounding), times 2^n: VSCALEFPS on AVX-512 (one rounding,
+// denormal results included), elsewhere two exact power-of-two multiplies (the second one rounds). Max error measured over
 // the whole float range: docs/decisions.md L71.
+// With kShort (the sigmoid of the 16-bit kernels, L96): a degree-5 polynomial (fitted the same
+// way: 1.05e-7 before float rounding) and, on targets with FMA, r = x - n ln 2 in one FMA step
+// (n ln 2 is not rounded; ln 2's own rounding adds n * 1.9e-9): two FMAs fewer.
+template <bool kShort = false>
 HWY_INLINE VF ExpClamped(DF d, VF x) {
   const VF magic = hn::Set(d, 12582912.0f);  // 1.5 * 2^23
   const VF k = hn::MulAdd(x, hn::Set(d, 1.44269504088896341f), magic);
   const VF n = hn::Sub(k, magic);
-  VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);
-  r = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), r);
-  VF u = hn::Set(d, 0.0013843848137184978f);
-  u = hn::MulAdd(u, r, hn::Set(d, 0.0083741694688797f));
-  u = hn::MulAdd(u, r, hn::Set(d, 0.04166799783706665f));
-  u = hn::MulAdd(u, r, hn::Set(d, 0.16666431725025177f));
-  u = hn::MulAdd(u, r, hn::Set(d, 0.4999999403953552f));
-  u = hn::MulAdd(u, r, hn::Set(d, 1.0f));
-  const VF p = hn::MulAdd(u, r, hn::Set(d, 1.0f));
+  VF p;
+  if constexpr (kShort) {
+#if HWY_NATIVE_FMA
+    const VF r = hn::MulAdd(n, hn::Set(d, -0.693147182464599609375f), x);
+#else  // without FMA the product would round before the subtraction: keep both steps
+    VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);
+    r = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), r);
+#endif
+    VF u = hn::Set(d, 0.008312526158988476f);
+    u = hn::MulAdd(u, r, hn::Set(d, 0.041890114545822144f));
+    u = hn::MulAdd(u, r, hn::Set(d, 0.16667114198207855f));
+    u = hn::MulAdd(u, r, hn::Set(d, 0.499992311000824f));
+    u = hn::MulAdd(u, r, hn::Set(d, 1.0f));
+    p = hn::MulAdd(u, r, hn::Set(d, 1.0f));
+  } else {
+    VF r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), x);
+    r = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), r);
+    VF u = hn::Set(d, 0.0013843848137184978f);
+    u = hn::MulAdd(u, r, hn::Set(d, 0.0083741694688797f));
+    u = hn::MulAdd(u, r, hn::Set(d, 0.04166799783706665f));
+    u = hn::MulAdd(u, r, hn::Set(d, 0.16666431725025177f));
+    u = hn::MulAdd(u, r, hn::Set(d, 0.4999999403953552f));
+    u = hn::MulAdd(u, r, hn::Set(d, 1.0f));
+    p = hn::MulAdd(u, r, hn::Set(d, 1.0f));
+  }
 #if MOEGRAD_SIMD_AVX512
   return VF{_mm512_scalef_ps(p.raw, n.raw)};
 #else
@@ -374,11 +394,12 @@ HWY_INLINE VF ExpNaN(DF d, VF x) {
 
 // Stable logistic function: exp of a non-positive argument only, so no overflow; exact 0/1 at
 // the extremes; NaN propagates (the input's own bits). On AVX-512 the division is VRCP14PS and one Newton step (error
-// well under an ulp of the quotient); elsewhere a division.
-HWY_INLINE VF Sigmoid(DF d, VF x) {
+// well under an ulp of the quotient); elsewhere a division. kShort: the shorter exp (L96).
+template <bool kShort = false>
+HWY_INLINE VF SigmoidT(DF d, VF x) {
   const VF one = hn::Set(d, 1.0f);
   const VF t = hn::Max(hn::Set(d, -104.0f), hn::Neg(hn::Abs(x)));
-  const VF e = ExpClamped(d, t);
+  const VF e = ExpClamped<kShort>(d, t);
   const VF den = hn::Add(one, e);
   const VF num = hn::IfThenElse(hn::Ge(x, hn::Zero(d)), one, e);
 #if MOEGRAD_SIMD_AVX512
@@ -392,6 +413,10 @@ HWY_INLINE VF Sigmoid(DF d, VF x) {
   // operand order the compiler picks (the streamed and plain-store loops must agree bitwise).
   return hn::IfThenElse(hn::IsNaN(x), x, q);
 }
+// The fp32 sigmoid (L71) and the one of the kernels with bf16/fp16 outputs (L96: an error of a
+// few fp32 ulps more, far below their rounding).
+HWY_INLINE VF Sigmoid(DF d, VF x) { return SigmoidT<false>(d, x); }
+HWY_INLINE VF Sigmoid16(DF d, VF x) { return SigmoidT<true>(d, x); }
 
 // sqrt(log(1 + exp(x))) without overflow.
 HWY_INLINE VF SqrtSoftplus(DF d, VF x) {

@@ -15,6 +15,10 @@ def test_layer_benchmark_smoke(tmp_path):
     for r in doc["records"]:
         for k in ("moegrad_ms", "eager_ms", "gemm_grouped_ms", "gemm_loop_ms",
                   "moegrad_non_gemm_ms", "eager_non_gemm_ms", "speedup_vs_eager",
-                  "peak_mb_moegrad", "peak_mb_eager"):
+                  "peak_mb_moegrad", "peak_mb_eager", "moegrad_in_step_gemm_ms",
+                  "moegrad_in_step_non_gemm_ms", "eager_in_step_gemm_ms",
+                  "eager_in_step_non_gemm_ms", "in_step_non_gemm_speedup_vs_eager"):
             assert isinstance(r[k], float) and math.isfinite(r[k]), (k, r[k])
         assert r["moegrad_ms"] > 0 and r["eager_ms"] > 0 and r["peak_mb_eager"] > 0
+        # the profiler found the expert GEMMs inside both steps
+        assert r["moegrad_in_step_gemm_ms"] > 0 and r["eager_in_step_gemm_ms"] > 0

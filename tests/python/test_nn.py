@@ -230,6 +230,58 @@ def test_grouped_mm_opcheck_and_errors():
     torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, c), (x, w))
     with pytest.raises(ValueError, match="counts"):
         grouped_mm(x, w, torch.tensor([4, 4]))
+    # The host copy of the sizes gives the same bits as the counts themselves.
+    y1, y2 = grouped_mm(x, w, c), grouped_mm(x, w, c, c.clone())
+    g = torch.randn_like(y1)
+    assert torch.equal(y1, y2)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(y1, (x, w), g),
+                                                 torch.autograd.grad(y2, (x, w), g)))
+
+
+def test_grouped_mm_large_outputs_on_huge_pages():
+    # Outputs above the huge-page threshold (8 MB out, 4 MB grad_x, 4 MB grad_w) take the
+    # advised allocation; the values must not notice.
+    from moegrad import _C
+    from moegrad.nn import grouped_mm
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.tensor([700, 0, 1348])
+    x = torch.randn(2048, 512, generator=gen, requires_grad=True)
+    w = torch.randn(3, 512, 1024, generator=gen, requires_grad=True)
+    g = torch.randn(2048, 1024, generator=gen)
+    y = grouped_mm(x, w, counts)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    ref = torch.cat([x[:700] @ w[0], x[700:] @ w[2]])
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    assert torch.equal(y, ref)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+    assert torch.all(gw[1] == 0)
+    for p, n in ((0, 0), (0, 1 << 30), (x.data_ptr() + 3, 1000), (x.data_ptr(), x.nbytes)):
+        _C._advise_huge_pages(p, n)   # advice only: null, tiny and unaligned ranges are no-ops
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_host_counts_do_not_sync_on_cuda():
+    # With the sizes already on the host, neither the forward nor the backward of the fallback
+    # (fp32 here: not torch._grouped_mm) waits for the device.
+    from moegrad.nn import grouped_mm
+    x = torch.randn(6, 3, device="cuda", requires_grad=True)
+    w = torch.randn(2, 3, 4, device="cuda", requires_grad=True)
+    c = torch.tensor([2, 4], device="cuda")
+    host = c.cpu()
+    g = torch.randn(6, 4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gx, gw = torch.autograd.grad(grouped_mm(x, w, c, host), (x, w), g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = torch.cat([x[:2] @ w[0], x[2:] @ w[1]])
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
 
 
 def test_arguments_checked():

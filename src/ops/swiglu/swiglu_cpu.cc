@@ -15,6 +15,7 @@
 #include "core/parallel.h"
 #include "core/simd-inl.h"
 #include "hwy/highway.h"
+#include "ops/swiglu/swiglu-inl.h"
 #include "ops/swiglu/swiglu.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -22,18 +23,51 @@ namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
-// The clamp of §5.5 step 2 (x0 <- min(x0, c); x1 <- clamp(x1, -c, c)); NaN passes through.
-struct Clamp {
-  VF c, nc;
-  bool on;
-  Clamp(DF d, float limit) : c(hn::Set(d, limit)), nc(hn::Set(d, -limit)), on(limit > 0.0f) {}
-  VF gate(VF v) const { return on ? hn::IfThenElse(hn::Gt(v, c), c, v) : v; }
-  VF up(VF v) const {
-    return on ? hn::IfThenElse(hn::Gt(v, c), c, hn::IfThenElse(hn::Lt(v, nc), nc, v)) : v;
-  }
-};
+// grad_weight = sum of grad_y(h) * y_origin(h) in a fixed order (docs/decisions.md L95): 64
+// partial sums (element h goes to partial sum h mod 64, added in column order, one fused
+// multiply-add per element where the target has FMA), then a fixed pairwise tree (partial i +
+// partial i + 32, then i + 16, ...). The order is the same on every SIMD target (64 lanes = 4
+// AVX-512, 8 AVX2 or 16 SSE4 vectors) and for any thread count (D16); the 64 partial sums are
+// independent register chains, so the loop is not bound by the latency of one chain.
+constexpr size_t kGwLanes = 64;
 
 template <typename T>
+HWY_INLINE float GradWeightDot(int64_t n, const T* HWY_RESTRICT a, const T* HWY_RESTRICT b) {
+  HWY_ALIGN float part[kGwLanes];
+  int64_t i = 0;
+  const DF d;
+  const size_t N = hn::Lanes(d);
+  constexpr size_t kMaxVecs = kGwLanes / hn::MaxLanes(DF()) > 0 ? kGwLanes / hn::MaxLanes(DF()) : 1;
+  if constexpr (InRegister<T>::value && kGwLanes % hn::MaxLanes(DF()) == 0) {
+    if (N * kMaxVecs == kGwLanes) {
+      VF acc[kMaxVecs];
+      for (size_t k = 0; k < kMaxVecs; ++k) acc[k] = hn::Zero(d);
+      for (; i + static_cast<int64_t>(kGwLanes) <= n; i += kGwLanes) {
+        for (size_t k = 0; k < kMaxVecs; ++k) {
+          acc[k] = hn::MulAdd(LoadF(d, a + i + k * N), LoadF(d, b + i + k * N), acc[k]);
+        }
+      }
+      for (size_t k = 0; k < kMaxVecs; ++k) hn::Store(acc[k], d, part + k * N);
+    } else {
+      for (size_t l = 0; l < kGwLanes; ++l) part[l] = 0.0f;
+    }
+  } else {
+    for (size_t l = 0; l < kGwLanes; ++l) part[l] = 0.0f;
+  }
+  // The rest (and every element where the vectors above do not apply) one lane at a time, with
+  // the same fused multiply-add semantics as the vectors (hn::MulAdd on one-lane vectors).
+  const hn::CappedTag<float, 1> d1;
+  for (size_t l = static_cast<size_t>(i) % kGwLanes; i < n; ++i, l = (l + 1) % kGwLanes) {
+    const auto pa = hn::Set(d1, to_f32(a[i])), pb = hn::Set(d1, to_f32(b[i]));
+    part[l] = hn::GetLane(hn::MulAdd(pa, pb, hn::Set(d1, part[l])));
+  }
+  for (size_t w = kGwLanes / 2; w >= 1; w /= 2) {
+    for (size_t l = 0; l < w; ++l) part[l] = part[l] + part[l + w];
+  }
+  return part[0];
+}
+
+template <typename T, bool kClamp>
 void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin, int64_t end) {
   const DF d;
   const size_t N = hn::Lanes(d);
@@ -41,7 +75,7 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   const T* x = typed<T>(p.x);
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   T* y = typed<T>(p.y);
-  const Clamp clamp(d, p.clamp);
+  const SwigluClamp<kClamp> clamp(d, p.clamp);
   const bool stream = stream_output(p.T * H * static_cast<int64_t>(sizeof(T)));
   std::fill(buf, buf + 4 * kChunk, 0.0f);
   float* a = buf;
@@ -57,10 +91,12 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
     const VF vw = hn::Set(d, w ? w[t] : 1.0f);
     const T* x0 = x + t * 2 * H;
     const T* x1 = x0 + H;
+    // bf16/fp16 outputs: the shorter sigmoid (docs/decisions.md L96).
+    constexpr bool kSixteen = !std::is_same_v<T, float>;
     auto f = [&](VF va, VF vb) {
       va = clamp.gate(va);
       vb = clamp.up(vb);
-      return hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw);
+      return hn::Mul(hn::Mul(hn::Mul(va, SigmoidT<kSixteen>(d, va)), vb), vw);
     };
     int64_t h0 = 0;
     if constexpr (InRegister<T>::value) {
@@ -93,7 +129,7 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   hwy::FlushStream();
 }
 
-template <typename T>
+template <typename T, bool kClamp>
 void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t begin,
                   int64_t end) {
   const DF d;
@@ -106,7 +142,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
   const T* yo = want_gw ? typed<T>(p.y_origin) : nullptr;
   T* gx = typed<T>(p.grad_x);
   float* gw = want_gw ? typed<float>(p.grad_weight) : nullptr;
-  const Clamp clamp(d, p.clamp);
+  const SwigluClamp<kClamp> clamp(d, p.clamp);
   const VF one = hn::Set(d, 1.0f);
   const bool stream = stream_output(p.T * 2 * H * static_cast<int64_t>(sizeof(T)));
   std::fill(buf, buf + 6 * kChunk, 0.0f);
@@ -136,7 +172,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
       const VF dsilu = hn::Mul(s, hn::Add(one, hn::Mul(va, hn::Sub(one, s))));
       vga = hn::Mul(hn::Mul(gyw, vb), dsilu);
       vgb = hn::Mul(gyw, silu);
-      if (clamp.on) {
+      if constexpr (kClamp) {
         // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
         vga = hn::IfThenElseZero(hn::Lt(a0, clamp.c), vga);
         vgb = hn::IfThenElseZero(hn::And(hn::Gt(b0, clamp.nc), hn::Lt(b0, clamp.c)), vgb);
@@ -183,8 +219,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
     }
     if (gw) {
       const T* yr = yo + t * H;
-      gw[t] = Dot8(H, [&](int64_t h) { return to_f32(gyr[h]); },
-                   [&](int64_t h) { return to_f32(yr[h]); });
+      gw[t] = GradWeightDot(H, gyr, yr);
     }
   }
   hwy::FlushStream();
@@ -198,7 +233,7 @@ void SwigluForward(const SwigluPlan& p) {
     using T = typename decltype(tag)::type;
     parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
       HWY_ALIGN float buf[4 * kChunk];
-      ForwardRows<T>(p, active, buf, b, e);
+      WithClamp(p.clamp, [&](auto on) { ForwardRows<T, decltype(on)::value>(p, active, buf, b, e); });
     });
   });
 }
@@ -209,7 +244,7 @@ void SwigluBackward(const SwigluGradPlan& p) {
     using T = typename decltype(tag)::type;
     parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
       HWY_ALIGN float buf[6 * kChunk];
-      BackwardRows<T>(p, active, buf, b, e);
+      WithClamp(p.clamp, [&](auto on) { BackwardRows<T, decltype(on)::value>(p, active, buf, b, e); });
     });
   });
 }

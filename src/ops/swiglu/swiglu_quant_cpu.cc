@@ -15,6 +15,7 @@
 #include "core/simd-inl.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
+#include "ops/swiglu/swiglu-inl.h"
 #include "ops/swiglu/swiglu.h"
 
 #ifndef MOEGRAD_SWIGLU_QUANT_CPU_ONCE_
@@ -85,17 +86,6 @@ using quant_detail::to_e4m3fn;
 using quant_detail::to_e5m2;
 
 constexpr float kAmaxFloor = 1e-4f;  // §6.4: the block amax is at least 1e-4
-
-// The clamp of §5.5 step 2 (x0 <- min(x0, c); x1 <- clamp(x1, -c, c)); NaN passes through.
-struct QClamp {
-  VF c, nc;
-  bool on;
-  QClamp(DF d, float limit) : c(hn::Set(d, limit)), nc(hn::Set(d, -limit)), on(limit > 0.0f) {}
-  VF gate(VF v) const { return on ? hn::IfThenElse(hn::Gt(v, c), c, v) : v; }
-  VF up(VF v) const {
-    return on ? hn::IfThenElse(hn::Gt(v, c), c, hn::IfThenElse(hn::Lt(v, nc), nc, v)) : v;
-  }
-};
 
 // Vector FP8 encoder: the same integer steps as to_e4m3fn / to_e5m2 on whole lanes.
 template <bool kE5M2>
@@ -179,7 +169,7 @@ HWY_INLINE void EncodeBlock(const float* HWY_RESTRICT v, int64_t n, float inv, b
   }
 }
 
-template <typename T, bool kE5M2>
+template <typename T, bool kE5M2, bool kClamp>
 void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t begin,
                int64_t end) {
   const DF d;
@@ -192,7 +182,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
   T* yo = p.write_origin ? typed<T>(p.y_origin) : nullptr;
   float* sc32 = p.quant_mode == 0 ? typed<float>(p.y_scale) : nullptr;
   uint8_t* sc8 = p.quant_mode == 1 ? static_cast<uint8_t*>(p.y_scale.data) : nullptr;
-  const QClamp clamp(d, p.clamp);
+  const SwigluClamp<kClamp> clamp(d, p.clamp);
   const VF fin = hn::Set(d, 3.4028235e38f);
   // Non-temporal stores once the codes (and y_origin) are too big to stay cached (L72).
   const bool stream = stream_output(p.T * H * static_cast<int64_t>(yo ? 1 + sizeof(T) : 1));
@@ -218,33 +208,45 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
     for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
       // kChunk is a multiple of both block sizes, so blocks never straddle chunks; a block is a
       // whole number of vectors. One pass computes the SwiGLU values into `o` and each block's
-      // amax over the finite values (masked for the lanes past n); a second one encodes.
+      // amax over the finite values (masked for the lanes past n), block by block (no division
+      // per vector); a second one encodes.
       const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
+      // bf16/fp16 outputs: the shorter sigmoid (docs/decisions.md L96).
+      constexpr bool kSixteen = !std::is_same_v<T, float>;
       auto f = [&](VF va, VF vb) {
         va = clamp.gate(va);
         vb = clamp.up(vb);
-        return hn::Mul(hn::Mul(hn::Mul(va, Sigmoid(d, va)), vb), vw);
+        return hn::Mul(hn::Mul(hn::Mul(va, SigmoidT<kSixteen>(d, va)), vb), vw);
       };
-      VF vmax = hn::Zero(d);
-      auto step = [&](VF v, size_t i) {
+      const size_t Bs = static_cast<size_t>(B);
+      // Stores one vector of values and returns the running amax of its block's finite values
+      // (lanes past n masked).
+      auto step = [&](VF vmax, VF v, size_t i) {
         hn::Store(v, d, o + i);
         VF av = hn::Abs(v);
         if (i + N > n) av = hn::IfThenElseZero(hn::FirstN(d, n - i), av);
-        vmax = hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);  // finite values only
-        if ((i + N) % static_cast<size_t>(B) == 0 || i + N >= n) {
-          amax[i / static_cast<size_t>(B)] = hn::GetLane(hn::MaxOfLanes(d, vmax));
-          vmax = hn::Zero(d);
-        }
+        return hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);  // finite values only
       };
-      size_t i = 0;
-      if constexpr (InRegister<T>::value) {
-        // Whole vectors straight from memory; the tail goes through the widened chunk.
-        for (; i + N <= n; i += N) step(f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i);
+      // Whole vectors come straight from memory; the rest (the tail, or every element of a
+      // type without an in-register conversion) from the widened chunk.
+      size_t nv = 0;
+      if constexpr (InRegister<T>::value) nv = n / N * N;
+      if (nv < n) {
+        load_chunk(x0 + h0 + nv, a + nv, n - nv);
+        load_chunk(x1 + h0 + nv, b + nv, n - nv);
       }
-      if (i < n) {
-        load_chunk(x0 + h0 + i, a + i, n - i);
-        load_chunk(x1 + h0 + i, b + i, n - i);
-        for (; i < n; i += N) step(f(hn::Load(d, a + i), hn::Load(d, b + i)), i);
+      for (size_t j = 0; j < n; j += Bs) {
+        const size_t jend = std::min(j + Bs, n);
+        [[maybe_unused]] const size_t jv = std::min(jend, nv);
+        VF vmax = hn::Zero(d);
+        size_t i = j;
+        if constexpr (InRegister<T>::value) {
+          for (; i < jv; i += N) {
+            vmax = step(vmax, f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i);
+          }
+        }
+        for (; i < jend; i += N) vmax = step(vmax, f(hn::Load(d, a + i), hn::Load(d, b + i)), i);
+        amax[j / Bs] = hn::GetLane(hn::MaxOfLanes(d, vmax));
       }
       if (yo) {
         if (stream) {
@@ -279,11 +281,14 @@ void SwigluQuantForward(const SwigluQuantPlan& p) {
     using T = typename decltype(tag)::type;
     parallel_rows(p.T, p.threads, [&](int, int64_t b, int64_t e) {
       HWY_ALIGN float buf[4 * kChunk];  // bounded scratch on the stack (L14)
-      if (p.e5m2) {
-        QuantRows<T, true>(p, active, buf, b, e);
-      } else {
-        QuantRows<T, false>(p, active, buf, b, e);
-      }
+      WithClamp(p.clamp, [&](auto on) {
+        constexpr bool kClamp = decltype(on)::value;
+        if (p.e5m2) {
+          QuantRows<T, true, kClamp>(p, active, buf, b, e);
+        } else {
+          QuantRows<T, false, kClamp>(p, active, buf, b, e);
+        }
+      });
     });
   });
 }
