@@ -204,7 +204,8 @@ enum class Op {
   kFinalizeRoutingGrad,
   kSwiglu,
   kSwigluGrad,
-  kSwigluQuant
+  kSwigluQuant,
+  kInitRoutingGrad
 };
 const char* op_name(Op op) {
   switch (op) {
@@ -215,6 +216,7 @@ const char* op_name(Op op) {
     case Op::kSwiglu: return "swiglu_group";
     case Op::kSwigluGrad: return "swiglu_group_quant_backward";
     case Op::kSwigluQuant: return "swiglu_group_quant";
+    case Op::kInitRoutingGrad: return "moe_init_routing_grad";
   }
   return "?";
 }
@@ -317,6 +319,17 @@ std::unique_ptr<Set> make_set(Op op, const Model& m, DType dt, int64_t T, uint64
       s->exec = moegrad::plan_moe_finalize_routing_grad(&gy->view, &idx->view, &ex->view,
                                                         &sc->view, nullptr, nullptr, a,
                                                         &gex->view, &gsc->view);
+      break;
+    }
+    case Op::kInitRoutingGrad: {
+      Tensor* gex = s->add(dt, {Tk, H});
+      Tensor* idx = s->add(DType::kInt32, {Tk});
+      Tensor* gx = s->add(dt, {T, H});
+      gex->fill_uniform(r, -2.f, 2.f);
+      fill_perm(idx, r);  // src -> dst, dropless (row layout)
+      moegrad::InitRoutingGradAttrs a;
+      a.top_k = K;
+      s->exec = moegrad::plan_moe_init_routing_grad(&gex->view, &idx->view, a, &gx->view);
       break;
     }
     case Op::kSwigluQuant: {
@@ -430,7 +443,7 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> tokens = parse_tokens(&argc, argv);
   const Op ops[] = {Op::kGatingTopK, Op::kGatingTopKBackward, Op::kFinalizeRouting,
                     Op::kFinalizeRoutingGrad, Op::kSwiglu, Op::kSwigluGrad,
-                    Op::kSwigluQuant};
+                    Op::kSwigluQuant, Op::kInitRoutingGrad};
   const std::pair<DType, const char*> dtypes[] = {
       {DType::kFloat32, "fp32"}, {DType::kBFloat16, "bf16"}, {DType::kFloat16, "fp16"}};
   for (Op op : ops) {

@@ -1,11 +1,8 @@
-// Per-target helpers of the gather/scatter row kernels (finalize routing, init routing grad,
-// gating backward): whole-vector loads and stores of any element type widened to / narrowed
-// from fp32 in registers, their non-temporal and partial (row tail) forms, and a dot product
-// with a fixed summation order. Included after core/simd-inl.h, once per Highway target.
-//
-// Conversions: those of core/simd-inl.h (LoadF, Bf16Bits; fp16 with F16C, exact widening and
-// round-to-nearest-even narrowing like the scalar conversions of core/convert.h, on x86 targets
-// that have it); elsewhere fp16 goes through the scalar conversions one vector at a time.
+// Per-target helpers of the gather/scatter row kernels (finalize routing, init routing, gating
+// backward): the output row walker, row copies and zero rows with non-temporal stores, the
+// prefetch of gathered rows and a dot product with a fixed summation order. The loads, stores
+// and conversions they use are the one family of core/simd-inl.h (LoadF, StoreF, StreamF, ...).
+// Included after core/simd-inl.h, once per Highway target.
 #if defined(MOEGRAD_CORE_ROWS_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef MOEGRAD_CORE_ROWS_INL_H_
 #undef MOEGRAD_CORE_ROWS_INL_H_
@@ -30,142 +27,65 @@ namespace HWY_NAMESPACE {
 namespace rows {
 namespace hn = hwy::HWY_NAMESPACE;
 
-#undef MOEGRAD_ROWS_F16C
-#define MOEGRAD_ROWS_F16C MOEGRAD_SIMD_F16C  // fp16 in registers (core/simd-inl.h)
-
-// Lanes(d) elements of T at p (any alignment), widened to fp32: LoadF of core/simd-inl.h where
-// the conversion is in registers on this target, else the scalar conversions.
-template <typename T>
-HWY_INLINE VF LoadWide(DF d, const T* HWY_RESTRICT p) {
-  if constexpr (InRegister<T>::value) {
-    return LoadF(d, p);
-  } else {
-    HWY_ALIGN float buf[kMaxFloatLanes];
-    for (size_t i = 0; i < hn::Lanes(d); ++i) buf[i] = to_f32(p[i]);
-    return hn::Load(d, buf);
+// Writes the output row o[0..H) of T column block by column block: block(U, kTail, j, n, acc)
+// (U a std::integral_constant<size_t>, kTail a std::bool_constant) fills acc[0..U) with the
+// fp32 vectors of the columns [j, j + U * Lanes(d)), or, with kTail, acc[0] with the n < Lanes
+// columns of the row tail; blocks of 4 vectors, then single vectors, then the tail, each
+// stored once (StoreBlock, StoreFN). With nt (an output large enough for non-temporal stores,
+// core/parallel.h stream_output) whole vectors are streamed where the row is aligned for it;
+// every path gives the same bits.
+template <typename T, class Block>
+HWY_INLINE void WriteRow(DF d, T* HWY_RESTRICT o, size_t H, bool nt, Block&& block) {
+  const size_t L = hn::Lanes(d);
+  const bool stream = nt && StreamAligned(o);
+  const bool stream2 = nt && Stream2Aligned(o);
+  VF acc[4];
+  size_t j = 0;
+  for (; j + 4 * L <= H; j += 4 * L) {
+    block(std::integral_constant<size_t, 4>(), std::false_type(), j, size_t{0}, acc);
+    StoreBlock<4>(d, acc, o + j, stream, stream2);
+  }
+  for (; j + L <= H; j += L) {
+    block(std::integral_constant<size_t, 1>(), std::false_type(), j, size_t{0}, acc);
+    StoreBlock<1>(d, acc, o + j, stream, stream2);
+  }
+  if (j < H) {
+    block(std::integral_constant<size_t, 1>(), std::true_type(), j, H - j, acc);
+    StoreFN(d, acc[0], o + j, H - j);
   }
 }
 
-// The narrowed vector of T (T = float: v itself), and its tag.
-template <typename T>
-struct Narrow;
-template <>
-struct Narrow<float> {
-  using D = DF;
-  static HWY_INLINE VF Of(DF, VF v) { return v; }
-};
-template <>
-struct Narrow<bf16_t> {
-  using D = hn::Rebind<uint16_t, DF>;
-  // Round to nearest even, NaN quieted: the bits of StoreF (Bf16Bits of core/simd-inl.h).
-  static HWY_INLINE hn::Vec<D> Of(DF d, VF v) { return Bf16Bits(d, v); }
-};
-#if MOEGRAD_ROWS_F16C
-template <>
-struct Narrow<half_t> {
-  using D = hn::Rebind<hwy::float16_t, DF>;
-  static HWY_INLINE hn::Vec<D> Of(DF, VF v) { return hn::DemoteTo(D(), v); }
-};
-#endif
-
-// Whole vectors of T are narrowed in registers (otherwise: per element, see StoreN).
-template <typename T>
-constexpr bool kVecNarrow = !std::is_same_v<T, half_t> || MOEGRAD_ROWS_F16C;
-
-// Stores v narrowed to T at p (any alignment).
-template <typename T>
-HWY_INLINE void StoreNarrow(DF d, VF v, T* HWY_RESTRICT p) {
-  if constexpr (kVecNarrow<T>) {
-    using N = Narrow<T>;
-    using TN = hn::TFromD<typename N::D>;
-    hn::StoreU(N::Of(d, v), typename N::D(), reinterpret_cast<TN*>(p));
-  } else {
-    HWY_ALIGN float buf[kMaxFloatLanes];
-    hn::Store(v, d, buf);
-    for (size_t i = 0; i < hn::Lanes(d); ++i) p[i] = from_f32<T>(buf[i]);
+// `bytes` bytes from src (null: +0, all bits zero) to dst. With nt, the whole aligned vectors
+// go out with non-temporal stores (no read-for-ownership of the destination lines) and the
+// ragged ends with memcpy / memset; without, memcpy / memset. Call hwy::FlushStream() before
+// another thread reads the data.
+HWY_INLINE void StreamBytes(const void* HWY_RESTRICT src, void* HWY_RESTRICT dst, size_t bytes,
+                            bool nt) {
+  const unsigned char* from = static_cast<const unsigned char*>(src);
+  unsigned char* to = static_cast<unsigned char*>(dst);
+  if (!nt) {
+    if (from) {
+      std::memcpy(to, from, bytes);
+    } else {
+      std::memset(to, 0, bytes);
+    }
+    return;
   }
-}
-
-// Like Store with a non-temporal store; p must be aligned to the narrowed vector (see
-// StreamAligned). Call hwy::FlushStream() before another thread reads the data.
-template <typename T>
-HWY_INLINE void StreamNarrow(DF d, VF v, T* HWY_RESTRICT p) {
-  if constexpr (kVecNarrow<T>) {
-    using N = Narrow<T>;
-    using TN = hn::TFromD<typename N::D>;
-    hn::Stream(N::Of(d, v), typename N::D(), reinterpret_cast<TN*>(p));
-  } else {
-    StoreNarrow(d, v, p);
-  }
-}
-
-// Whether a row of n elements of T at p can be written with Stream for its whole vectors.
-template <typename T>
-HWY_INLINE bool StreamAligned(DF d, const T* p) {
-  const size_t vbytes = hn::Lanes(d) * sizeof(T);
-  return kVecNarrow<T> && reinterpret_cast<uintptr_t>(p) % vbytes == 0;
-}
-
-// Two vectors narrowed to T, written with one full-width non-temporal store (whole cache lines
-// for the 16-bit types on AVX-512); p must be aligned to 2 * Lanes(d) * sizeof(T) bytes.
-template <typename T>
-HWY_INLINE void StreamNarrow2(DF d, VF v0, VF v1, T* HWY_RESTRICT p) {
-#if HWY_TARGET == HWY_SCALAR
-  constexpr bool kSplit = true;
-#else
-  constexpr bool kSplit = std::is_same_v<T, float> || !kVecNarrow<T>;
-#endif
-  if constexpr (kSplit) {
-    StreamNarrow(d, v0, p);
-    StreamNarrow(d, v1, p + hn::Lanes(d));
-  } else {
-#if HWY_TARGET != HWY_SCALAR
-    using N = Narrow<T>;
-    const hn::RebindToUnsigned<typename N::D> dh;  // uint16 lanes, half a vector
-    const hn::Twice<decltype(dh)> dw;
-    const auto lo = hn::BitCast(dh, N::Of(d, v0));
-    const auto hi = hn::BitCast(dh, N::Of(d, v1));
-    hn::Stream(hn::Combine(dw, hi, lo), dw, reinterpret_cast<uint16_t*>(p));
-#endif
-  }
-}
-
-// Whether rows at p can be written with StreamNarrow2 for their pairs of whole vectors.
-template <typename T>
-HWY_INLINE bool Stream2Aligned(DF d, const T* p) {
-  return StreamAligned(d, p) && reinterpret_cast<uintptr_t>(p) % (2 * hn::Lanes(d) * sizeof(T)) == 0;
-}
-
-// The first n < Lanes(d) elements of T at p, widened, the other lanes +0 (row tails).
-template <typename T>
-HWY_INLINE VF LoadWideN(DF d, const T* HWY_RESTRICT p, size_t n) {
-  HWY_ALIGN T buf[kMaxFloatLanes] = {};
-  std::memcpy(buf, p, n * sizeof(T));
-  return LoadWide(d, buf);
-}
-
-// Stores the first n < Lanes(d) lanes of v narrowed to T (the same bits as Store).
-template <typename T>
-HWY_INLINE void StoreNarrowN(DF d, VF v, T* HWY_RESTRICT p, size_t n) {
-  HWY_ALIGN T buf[kMaxFloatLanes];
-  StoreNarrow(d, v, buf);
-  std::memcpy(p, buf, n * sizeof(T));
-}
-
-// n elements of T at p set to +0 (all bits zero), non-temporal stores for the whole aligned
-// vectors. Call hwy::FlushStream() before another thread reads the data.
-template <typename T>
-HWY_INLINE void ZeroRow(DF /*d*/, T* HWY_RESTRICT p, size_t n) {
   const hn::ScalableTag<uint8_t> du8;
   const size_t v = hn::Lanes(du8);
-  unsigned char* q = reinterpret_cast<unsigned char*>(p);
-  const size_t bytes = n * sizeof(T);
-  size_t head = (v - reinterpret_cast<uintptr_t>(q) % v) % v;
+  size_t head = (v - reinterpret_cast<uintptr_t>(to) % v) % v;
   if (head > bytes) head = bytes;
-  std::memset(q, 0, head);
   size_t i = head;
-  for (; i + v <= bytes; i += v) hn::Stream(hn::Zero(du8), du8, q + i);
-  std::memset(q + i, 0, bytes - i);
+  if (from) {
+    std::memcpy(to, from, head);
+    for (; i + v <= bytes; i += v) hn::Stream(hn::LoadU(du8, from + i), du8, to + i);
+    std::memcpy(to + i, from + i, bytes - i);
+  } else {
+    std::memset(to, 0, head);
+    const auto z = hn::Zero(du8);
+    for (; i + v <= bytes; i += v) hn::Stream(z, du8, to + i);
+    std::memset(to + i, 0, bytes - i);
+  }
 }
 
 // Prefetch distance of the gathered rows, in bytes ahead of the current read position. Measured

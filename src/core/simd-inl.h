@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "core/dtype.h"
@@ -79,11 +80,18 @@ inline size_t padded(size_t n) {
   return (n + lanes - 1) / lanes * lanes;
 }
 
-// Vector loads/stores of T widened to / narrowed from fp32 in registers, for the element types
-// whose conversion is exact or correctly rounded on this target: float; bf16 (widened by a
-// shift, narrowed with round-to-nearest-even); fp16 on x86 targets with F16C (AVX2 and up:
-// VCVTPH2PS / VCVTPS2PH with an immediate round-to-nearest-even). Elsewhere fp16 goes through
-// load_chunk/store_chunk (Highway's software fp16 demotion truncates).
+// One family of vector loads and stores of T widened to / narrowed from fp32, for every
+// element kernel (SwiGLU, gating, finalize and init routing):
+//   LoadF / StoreF        Lanes(d) elements at any alignment;
+//   LoadFN / StoreFN      the first n < Lanes(d) elements (row tails);
+//   StreamF / StreamF2    non-temporal stores of one vector / of two vectors as one full-width
+//                         store, at p with StreamAligned(p) / Stream2Aligned(p);
+//   load_chunk / store_chunk / stream_chunk   whole chunk buffers.
+// InRegister<T>: the conversion is exact or correctly rounded in registers on this target:
+// float; bf16 (widened by a shift, narrowed with round-to-nearest-even); fp16 on x86 targets
+// with F16C (AVX2 and up: VCVTPH2PS / VCVTPS2PH with an immediate round-to-nearest-even).
+// Other types (fp16 elsewhere: Highway's software fp16 demotion truncates) go through the
+// scalar conversions of core/convert.h, one vector at a time, with the same bits.
 template <typename T>
 struct InRegister : std::false_type {};
 template <>
@@ -94,15 +102,6 @@ struct InRegister<bf16_t> : std::true_type {};
 template <>
 struct InRegister<half_t> : std::true_type {};
 #endif
-
-HWY_INLINE VF LoadF(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
-HWY_INLINE VF LoadF(DF d, const bf16_t* HWY_RESTRICT p) {
-  const hn::RebindToUnsigned<DF> du32;
-  const hn::Rebind<uint16_t, DF> du16;
-  const auto bits = hn::PromoteTo(du32, hn::LoadU(du16, reinterpret_cast<const uint16_t*>(p)));
-  return hn::BitCast(d, hn::ShiftLeft<16>(bits));
-}
-HWY_INLINE void StoreF(DF d, VF v, float* HWY_RESTRICT p) { hn::StoreU(v, d, p); }
 
 using VU16 = hn::Vec<hn::Rebind<uint16_t, DF>>;
 
@@ -133,49 +132,157 @@ HWY_INLINE VU16 Bf16Bits(DF d, VF v) {
   return hn::DemoteTo(du16, hn::BitCast(di32, r));
 }
 
-HWY_INLINE void StoreF(DF d, VF v, bf16_t* HWY_RESTRICT p) {
-  const hn::Rebind<uint16_t, DF> du16;
-  hn::StoreU(Bf16Bits(d, v), du16, reinterpret_cast<uint16_t*>(p));
-}
-
+// The register form of T (InRegister<T> only): the narrowed vector's tag D and lane type TN,
+// Narrow (fp32 -> the bits of T) and Widen (Lanes(d) elements at p -> fp32).
+template <typename T>
+struct Reg;
+template <>
+struct Reg<float> {
+  using D = DF;
+  using TN = float;
+  static HWY_INLINE VF Narrow(DF, VF v) { return v; }
+  static HWY_INLINE VF Widen(DF d, const float* HWY_RESTRICT p) { return hn::LoadU(d, p); }
+};
+template <>
+struct Reg<bf16_t> {
+  using D = hn::Rebind<uint16_t, DF>;
+  using TN = uint16_t;
+  static HWY_INLINE VU16 Narrow(DF d, VF v) { return Bf16Bits(d, v); }
+  static HWY_INLINE VF Widen(DF d, const bf16_t* HWY_RESTRICT p) {
+    const hn::RebindToUnsigned<DF> du32;
+    const auto bits = hn::PromoteTo(du32, hn::LoadU(D(), reinterpret_cast<const uint16_t*>(p)));
+    return hn::BitCast(d, hn::ShiftLeft<16>(bits));
+  }
+};
 #if MOEGRAD_SIMD_F16C
-HWY_INLINE VF LoadF(DF d, const half_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
-}
-HWY_INLINE void StoreF(DF d, VF v, half_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  (void)d;
-  hn::StoreU(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
-}
+template <>
+struct Reg<half_t> {
+  using D = hn::Rebind<hwy::float16_t, DF>;
+  using TN = hwy::float16_t;
+  static HWY_INLINE hn::Vec<D> Narrow(DF, VF v) { return hn::DemoteTo(D(), v); }
+  static HWY_INLINE VF Widen(DF d, const half_t* HWY_RESTRICT p) {
+    return hn::PromoteTo(d, hn::LoadU(D(), reinterpret_cast<const hwy::float16_t*>(p)));
+  }
+};
 #endif
 
-// Non-temporal StoreF, for kernel outputs that are not read again soon (no read-for-ownership
-// of the destination lines). p must be aligned to Lanes(d) * sizeof(T) (kStreamAlign<T>); on
-// targets where the narrowed vector is not a whole register it is a plain StoreF. Call
-// hwy::FlushStream() before the data is handed to another thread.
+// Lanes(d) elements of T at p (any alignment), widened to fp32.
+template <typename T>
+HWY_INLINE VF LoadF(DF d, const T* HWY_RESTRICT p) {
+  if constexpr (InRegister<T>::value) {
+    return Reg<T>::Widen(d, p);
+  } else {
+    HWY_ALIGN float buf[kMaxFloatLanes];
+    for (size_t i = 0; i < hn::Lanes(d); ++i) buf[i] = to_f32(p[i]);
+    return hn::Load(d, buf);
+  }
+}
+
+// v narrowed to T, stored at p (any alignment).
+template <typename T>
+HWY_INLINE void StoreF(DF d, VF v, T* HWY_RESTRICT p) {
+  if constexpr (InRegister<T>::value) {
+    using R = Reg<T>;
+    hn::StoreU(R::Narrow(d, v), typename R::D(), reinterpret_cast<typename R::TN*>(p));
+  } else {
+    HWY_ALIGN float buf[kMaxFloatLanes];
+    hn::Store(v, d, buf);
+    for (size_t i = 0; i < hn::Lanes(d); ++i) p[i] = from_f32<T>(buf[i]);
+  }
+}
+
+// The first n < Lanes(d) elements of T at p, widened, the other lanes +0 (row tails).
+template <typename T>
+HWY_INLINE VF LoadFN(DF d, const T* HWY_RESTRICT p, size_t n) {
+  HWY_ALIGN T buf[kMaxFloatLanes] = {};
+  std::memcpy(buf, p, n * sizeof(T));
+  return LoadF(d, buf);
+}
+
+// The first n < Lanes(d) lanes of v narrowed to T, stored at p (the bits of StoreF).
+template <typename T>
+HWY_INLINE void StoreFN(DF d, VF v, T* HWY_RESTRICT p, size_t n) {
+  HWY_ALIGN T buf[kMaxFloatLanes];
+  StoreF(d, v, buf);
+  std::memcpy(p, buf, n * sizeof(T));
+}
+
+// Non-temporal stores, for kernel outputs that are not read again soon (no read-for-ownership
+// of the destination lines). They exist where the narrowed vector of T is a whole register
+// (Highway's Stream writes a whole register on x86): fp32 everywhere, the 16-bit types on x86
+// from AVX2 up (16 or 32 bytes). Elsewhere StreamAligned is false and StreamF is StoreF. p must
+// be aligned to Lanes(d) * sizeof(T) (kStreamAlign<T>). Call hwy::FlushStream() before the data
+// is handed to another thread.
+template <typename T>
+constexpr bool kStreams =
+    InRegister<T>::value && (std::is_same_v<T, float> || MOEGRAD_SIMD_F16C != 0);
 template <typename T>
 constexpr size_t kStreamAlign = sizeof(T) * hn::MaxLanes(DF());
 template <typename T>
 HWY_INLINE bool StreamAligned(const T* p) {
-  return reinterpret_cast<uintptr_t>(p) % kStreamAlign<T> == 0;
+  return kStreams<T> && reinterpret_cast<uintptr_t>(p) % kStreamAlign<T> == 0;
 }
-HWY_INLINE void StreamF(DF d, VF v, float* HWY_RESTRICT p) { hn::Stream(v, d, p); }
-HWY_INLINE void StreamF(DF d, VF v, bf16_t* HWY_RESTRICT p) {
-#if MOEGRAD_SIMD_F16C  // x86 AVX2 and up: 16 or 32 bytes, a whole register
-  const hn::Rebind<uint16_t, DF> du16;
-  hn::Stream(Bf16Bits(d, v), du16, reinterpret_cast<uint16_t*>(p));
+template <typename T>
+HWY_INLINE void StreamF(DF d, VF v, T* HWY_RESTRICT p) {
+  if constexpr (kStreams<T>) {
+    using R = Reg<T>;
+    hn::Stream(R::Narrow(d, v), typename R::D(), reinterpret_cast<typename R::TN*>(p));
+  } else {
+    StoreF(d, v, p);
+  }
+}
+
+// Whether rows at p can be written with StreamF2 for their pairs of whole vectors.
+template <typename T>
+HWY_INLINE bool Stream2Aligned(const T* p) {
+  return StreamAligned(p) && reinterpret_cast<uintptr_t>(p) % (2 * kStreamAlign<T>) == 0;
+}
+
+// Two vectors narrowed to T, written with one full-width non-temporal store (whole cache lines
+// for the 16-bit types on AVX-512); p must satisfy Stream2Aligned. fp32 (whose vectors are
+// whole registers already) takes two StreamF.
+template <typename T>
+HWY_INLINE void StreamF2(DF d, VF v0, VF v1, T* HWY_RESTRICT p) {
+#if HWY_TARGET == HWY_SCALAR
+  constexpr bool kSplit = true;
 #else
-  StoreF(d, v, p);
+  constexpr bool kSplit = std::is_same_v<T, float> || !kStreams<T>;
 #endif
-}
-#if MOEGRAD_SIMD_F16C
-HWY_INLINE void StreamF(DF d, VF v, half_t* HWY_RESTRICT p) {
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  (void)d;
-  hn::Stream(hn::DemoteTo(dh, v), dh, reinterpret_cast<hwy::float16_t*>(p));
-}
+  if constexpr (kSplit) {
+    StreamF(d, v0, p);
+    StreamF(d, v1, p + hn::Lanes(d));
+  } else {
+#if HWY_TARGET != HWY_SCALAR
+    using R = Reg<T>;
+    const hn::RebindToUnsigned<typename R::D> dh;  // uint16 lanes, half a vector
+    const hn::Twice<decltype(dh)> dw;
+    const auto lo = hn::BitCast(dh, R::Narrow(d, v0));
+    const auto hi = hn::BitCast(dh, R::Narrow(d, v1));
+    hn::Stream(hn::Combine(dw, hi, lo), dw, reinterpret_cast<uint16_t*>(p));
 #endif
+  }
+}
+
+// U consecutive vectors v[0..U) at p: with stream2 (Stream2Aligned(p), U even) pairs of them
+// in one full-width non-temporal store each, else with stream (StreamAligned(p)) one
+// non-temporal store each, else plain stores. The same bits on every path.
+template <size_t U, typename T>
+HWY_INLINE void StoreBlock(DF d, const VF* v, T* HWY_RESTRICT p, bool stream, bool stream2) {
+  const size_t L = hn::Lanes(d);
+  if constexpr (U % 2 == 0) {
+    if (stream2) {
+      for (size_t u = 0; u < U; u += 2) StreamF2(d, v[u], v[u + 1], p + u * L);
+      return;
+    }
+  }
+  for (size_t u = 0; u < U; ++u) {
+    if (stream) {
+      StreamF(d, v[u], p + u * L);
+    } else {
+      StoreF(d, v[u], p + u * L);
+    }
+  }
+}
 
 // Widening / narrowing of one chunk: whole vectors in registers where InRegister<T>, the rest
 // (and every element of the other types) with the scalar conversions of core/dtype.h.

@@ -2,7 +2,8 @@
 // target in turn, via hwy::SetSupportedTargetsForTest): the bf16/fp16 register and chunk
 // conversions against the scalar conversions of core/convert.h (themselves tested against the
 // compiler and a double-precision rounding in test_convert.cc), with the AVX512-BF16 instruction
-// path both on and off; and the fast exp / sigmoid against a double-precision reference over a
+// path both on and off; the row store family (plain, streamed, paired, blocks, tails) writing
+// exactly its elements; and the fast exp / sigmoid against a double-precision reference over a
 // dense sweep of the whole float range and the special values (docs/decisions.md L71).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "test_simd.cc"
@@ -86,6 +87,45 @@ bool Narrow(int kind, int via, const float* in, uint16_t* out, size_t n) {
   return kind == 0 ? NarrowT<bf16_t>(via, in, out, n) : NarrowT<half_t>(via, in, out, n);
 }
 
+size_t FloatLanes() { return hn::Lanes(DF()); }
+
+// The row store family on up to four vectors in[0 .. 4 * Lanes) narrowed to T at out:
+// via 0: StoreF, 1: StreamF, 2: StreamF2, 3: StoreBlock<4> with the streaming its alignment
+// allows, 4: StoreBlock<1> likewise, 5: StoreFN of the first `tail` lanes. Sets *n to the
+// elements written; false when out is not aligned for the via (1 and 2).
+template <typename T>
+bool StoreRowT(int via, size_t tail, const float* in, T* out, size_t* n) {
+  const DF d;
+  const size_t L = hn::Lanes(d);
+  VF v[4];
+  for (size_t u = 0; u < 4; ++u) v[u] = hn::LoadU(d, in + u * L);
+  if ((via == 1 && !StreamAligned(out)) || (via == 2 && !Stream2Aligned(out))) return false;
+  switch (via) {
+    case 0: StoreF(d, v[0], out); *n = L; break;
+    case 1: StreamF(d, v[0], out); *n = L; break;
+    case 2: StreamF2(d, v[0], v[1], out); *n = 2 * L; break;
+    case 3: StoreBlock<4>(d, v, out, StreamAligned(out), Stream2Aligned(out)); *n = 4 * L; break;
+    case 4: StoreBlock<1>(d, v, out, StreamAligned(out), false); *n = L; break;
+    default: StoreFN(d, v[0], out, tail); *n = tail; break;
+  }
+  hwy::FlushStream();
+  return true;
+}
+// kind 0: bf16, 1: fp16, 2: fp32.
+bool StoreRow(int kind, int via, size_t tail, const float* in, void* out, size_t* n) {
+  if (kind == 0) return StoreRowT(via, tail, in, static_cast<bf16_t*>(out), n);
+  if (kind == 1) return StoreRowT(via, tail, in, static_cast<half_t*>(out), n);
+  return StoreRowT(via, tail, in, static_cast<float*>(out), n);
+}
+// LoadFN of the first n < Lanes elements at in into out[0 .. Lanes).
+void LoadRowTail(int kind, size_t n, const void* in, float* out) {
+  const DF d;
+  const VF v = kind == 0   ? LoadFN(d, static_cast<const bf16_t*>(in), n)
+               : kind == 1 ? LoadFN(d, static_cast<const half_t*>(in), n)
+                           : LoadFN(d, static_cast<const float*>(in), n);
+  hn::StoreU(v, d, out);
+}
+
 // fn 0: ExpNaN, 1: Sigmoid, 2: Sigmoid16; n a multiple of the lane count.
 void Eval(int fn, const float* in, float* out, size_t n) {
   const DF d;
@@ -115,6 +155,9 @@ HWY_EXPORT(SimdTraits);
 HWY_EXPORT(Widen);
 HWY_EXPORT(Narrow);
 HWY_EXPORT(Eval);
+HWY_EXPORT(FloatLanes);
+HWY_EXPORT(StoreRow);
+HWY_EXPORT(LoadRowTail);
 }  // namespace moegrad
 
 namespace {
@@ -231,6 +274,67 @@ void check_narrowing(int kind, bool bf16_insn) {
 TEST(Simd, Bf16NarrowingOnEveryTargetWithTheInstruction) { check_narrowing(0, true); }
 TEST(Simd, Bf16NarrowingOnEveryTargetPortable) { check_narrowing(0, false); }
 TEST(Simd, Fp16NarrowingOnEveryTarget) { check_narrowing(1, false); }
+
+// The row stores write exactly their elements, with the bits of the scalar conversions, at an
+// address aligned for every store and at one that is not (the streaming paths then report
+// false or fall back to plain stores), on every target: a store that writes a whole register
+// for a narrowed vector of half a register (8 bytes of bf16 on SSE4) would overwrite the
+// guard bytes after it. Row tails load only their elements and +0 in the other lanes.
+TEST(Simd, RowStoresWriteExactlyTheirElementsOnEveryTarget) {
+  float in[64];
+  for (int i = 0; i < 64; ++i) in[i] = ffrom(0x3f800000u + 0x00012345u * i) * (i % 3 ? 1 : -1);
+  auto buf = hwy::AllocateAligned<unsigned char>(512);
+  for_each_target([&](int64_t) {
+    const size_t L = HWY_DYNAMIC_DISPATCH(moegrad::FloatLanes)();
+    for (int kind = 0; kind < 3; ++kind) {
+      const size_t es = kind == 2 ? 4 : 2;
+      for (size_t shift : {size_t{0}, es}) {
+        for (int via = 0; via <= 5; ++via) {
+          for (size_t tail = via == 5 ? 1 : 0; tail < (via == 5 ? L : 1); ++tail) {
+            SCOPED_TRACE(testing::Message() << "kind " << kind << " via " << via << " shift "
+                                            << shift << " tail " << tail);
+            std::memset(buf.get(), 0xa5, 512);
+            unsigned char* out = buf.get() + 128 + shift;
+            size_t n = 0;
+            if (!HWY_DYNAMIC_DISPATCH(moegrad::StoreRow)(kind, via, tail, in, out, &n)) {
+              continue;  // not aligned for it, or no non-temporal store of T on this target
+            }
+            for (size_t i = 0; i < 512; ++i) {
+              unsigned char* p = buf.get() + i;
+              if (p >= out && p < out + n * es) continue;
+              ASSERT_EQ(*p, 0xa5) << "byte " << static_cast<long>(p - out) << " written";
+            }
+            for (size_t i = 0; i < n; ++i) {
+              uint32_t got = 0, want = 0;
+              std::memcpy(&got, out + i * es, es);
+              want = kind == 0 ? moegrad::f32_to_bf16_bits(in[i])
+                     : kind == 1 ? moegrad::f32_to_f16_bits(in[i])
+                                 : fbits(in[i]);
+              ASSERT_EQ(got, want) << "element " << i;
+            }
+          }
+        }
+      }
+      for (size_t n = 1; n < L; ++n) {
+        uint16_t src16[16];
+        float src32[16], got[16];
+        for (size_t i = 0; i < 16; ++i) {
+          src16[i] = kind == 0 ? moegrad::f32_to_bf16_bits(in[i]) : moegrad::f32_to_f16_bits(in[i]);
+          src32[i] = in[i];
+        }
+        const void* src = kind == 2 ? static_cast<const void*>(src32) : src16;
+        HWY_DYNAMIC_DISPATCH(moegrad::LoadRowTail)(kind, n, src, got);
+        for (size_t i = 0; i < L; ++i) {
+          const float want = i >= n ? 0.0f
+                             : kind == 0 ? moegrad::bf16_bits_to_f32(src16[i])
+                             : kind == 1 ? moegrad::f16_bits_to_f32(src16[i])
+                                         : src32[i];
+          ASSERT_EQ(fbits(got[i]), fbits(want)) << "kind " << kind << " n " << n << " lane " << i;
+        }
+      }
+    }
+  });
+}
 
 // Error of got against the double value want, in ulps of float at want (denormal spacing
 // below the normal range); infinite when one side is inf/NaN and the other is not.

@@ -92,7 +92,7 @@ HWY_INLINE void forward_block(DF d, const T* a1, const T* a2, const SlotRef* t,
                               const SlotRef* next, int64_t K, size_t row_bytes, size_t j,
                               size_t n, VF* acc) {
   const size_t L = hn::Lanes(d);
-  auto load = [&](const T* q) { return kTail ? rows::LoadWideN(d, q, n) : rows::LoadWide(d, q); };
+  auto load = [&](const T* q) { return kTail ? LoadFN(d, q, n) : LoadF(d, q); };
   for (size_t u = 0; u < U; ++u) acc[u] = a1 ? load(a1 + j + u * L) : hn::Zero(d);
   if (a2) {
     for (size_t u = 0; u < U; ++u) acc[u] = hn::Add(acc[u], load(a2 + j + u * L));
@@ -124,7 +124,6 @@ template <typename T, typename S>
 void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32_t* eidx,
                    const Workspace& ws, int tid, int64_t begin, int64_t end) {
   const DF d;
-  const size_t L = hn::Lanes(d);
   const int64_t K = p.K;
   const size_t H = static_cast<size_t>(p.H);
   const size_t row_bytes = H * sizeof(T);
@@ -142,38 +141,11 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
     const SlotRef* nt = r + 1 < end ? next : nullptr;
     const T* a1 = x1 ? x1 + r * static_cast<int64_t>(H) : nullptr;
     const T* a2 = x2 ? x2 + r * static_cast<int64_t>(H) : nullptr;
-    T* o = out + r * static_cast<int64_t>(H);
-    const bool stream = big && rows::StreamAligned(d, o);
-    const bool stream2 = big && rows::Stream2Aligned(d, o);
-    VF acc[4];
-    size_t j = 0;
-    for (; j + 4 * L <= H; j += 4 * L) {
-      forward_block<4, false>(d, a1, a2, t, nt, K, row_bytes, j, 0, acc);
-      if (stream2) {
-        rows::StreamNarrow2(d, acc[0], acc[1], o + j);
-        rows::StreamNarrow2(d, acc[2], acc[3], o + j + 2 * L);
-        continue;
-      }
-      for (size_t u = 0; u < 4; ++u) {
-        if (stream) {
-          rows::StreamNarrow(d, acc[u], o + j + u * L);
-        } else {
-          rows::StoreNarrow(d, acc[u], o + j + u * L);
-        }
-      }
-    }
-    for (; j + L <= H; j += L) {
-      forward_block<1, false>(d, a1, a2, t, nt, K, row_bytes, j, 0, acc);
-      if (stream) {
-        rows::StreamNarrow(d, acc[0], o + j);
-      } else {
-        rows::StoreNarrow(d, acc[0], o + j);
-      }
-    }
-    if (j < H) {
-      forward_block<1, true>(d, a1, a2, t, nt, K, row_bytes, j, H - j, acc);
-      rows::StoreNarrowN(d, acc[0], o + j, H - j);
-    }
+    rows::WriteRow(d, out + r * static_cast<int64_t>(H), H, big,
+                   [&](auto U, auto tail, size_t j, size_t n, VF* acc) {
+                     forward_block<decltype(U)::value, decltype(tail)::value>(
+                         d, a1, a2, t, nt, K, row_bytes, j, n, acc);
+                   });
   }
   hwy::FlushStream();
 }
@@ -196,7 +168,7 @@ HWY_INLINE void grad_block(DF d, const float* g, VF s, T* dst, bool stream, bool
                            const T* x, const T* b, const T* next_x, size_t row_bytes, size_t j,
                            size_t pos, size_t n, rows::Dot* dot) {
   const size_t L = hn::Lanes(d);
-  auto load = [&](const T* q) { return kTail ? rows::LoadWideN(d, q, n) : rows::LoadWide(d, q); };
+  auto load = [&](const T* q) { return kTail ? LoadFN(d, q, n) : LoadF(d, q); };
   if (x) {
     for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
       rows::PrefetchAhead<rows::kPrefetchOneStream>(x, next_x, row_bytes, j * sizeof(T) + off);
@@ -208,17 +180,9 @@ HWY_INLINE void grad_block(DF d, const float* g, VF s, T* dst, bool stream, bool
     VF v[U];
     for (size_t u = 0; u < U; ++u) v[u] = hn::Mul(gv[u], s);
     if (kTail) {
-      rows::StoreNarrowN(d, v[0], dst + j, n);
-    } else if (U == 2 && stream2) {
-      rows::StreamNarrow2(d, v[0], v[U - 1], dst + j);
+      StoreFN(d, v[0], dst + j, n);
     } else {
-      for (size_t u = 0; u < U; ++u) {
-        if (stream) {
-          rows::StreamNarrow(d, v[u], dst + j + u * L);
-        } else {
-          rows::StoreNarrow(d, v[u], dst + j + u * L);
-        }
-      }
+      StoreBlock<U>(d, v, dst + j, stream, stream2);
     }
   }
   for (size_t u = 0; u < U; ++u) {
@@ -257,8 +221,8 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
 
   for (int64_t r = begin; r < end; ++r) {
     const T* gyr = gy + r * static_cast<int64_t>(H);
-    for (size_t j = 0; j < Hv; j += L) hn::Store(rows::LoadWide(d, gyr + j), d, g + j);
-    if (Hv < H) hn::Store(rows::LoadWideN(d, gyr + Hv, H - Hv), d, g + Hv);
+    for (size_t j = 0; j < Hv; j += L) hn::Store(LoadF(d, gyr + j), d, g + j);
+    if (Hv < H) hn::Store(LoadFN(d, gyr + Hv, H - Hv), d, g + Hv);
     for (int64_t k = 0; k < K; ++k) {
       const int64_t i = r * K + k;
       const int32_t di = idx[i];
@@ -266,7 +230,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
       const VF s = hn::Set(d, scales ? to_f32(scales[i]) : 1.0f);
       // Streamed: grad_expanded_x is written once and not read back here.
       T* dst = valid ? gex + static_cast<int64_t>(di) * static_cast<int64_t>(H) : nullptr;
-      const bool stream = nt && dst != nullptr && rows::StreamAligned(d, dst);
+      const bool stream = nt && dst != nullptr && StreamAligned(dst);
       const T* brow = nullptr;
       if (bias && scales) {
         const int32_t e = eidx[i];
@@ -274,7 +238,7 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
       }
       const T* xrow = valid && ex ? ex + static_cast<int64_t>(di) * p.H : nullptr;
       const T* next_x = xrow ? grad_slot_row(p, idx, ex, i + 1) : nullptr;
-      const bool stream2 = nt && dst != nullptr && rows::Stream2Aligned(d, dst);
+      const bool stream2 = nt && dst != nullptr && Stream2Aligned(dst);
       rows::Dot dot;
       size_t j = 0;
       for (; j + 2 * L <= H; j += 2 * L) {
@@ -380,9 +344,9 @@ void FinalizeForward(const FinalizeRoutingPlan& p, const Workspace& ws) {
 template <typename T, typename S>
 void finalize_backward_team(const FinalizeRoutingGradPlan& p, const int32_t* idx,
                             const int32_t* eidx, const Workspace& ws) {
-  const DF d;
   unsigned char* covered = ws.get<unsigned char>(p.ws_covered);
   const int64_t rows = p.rows, n_idx = p.R * p.K, H = p.H;
+  const size_t row_bytes = static_cast<size_t>(H) * sizeof(T);
   T* gex = typed<T>(p.grad_expanded_x);
   const int team = std::max(std::max(p.threads, p.zero_threads), 1);
   run_team(team, [&](int tid, int nt) {
@@ -396,7 +360,7 @@ void finalize_backward_team(const FinalizeRoutingGradPlan& p, const int32_t* idx
     }
     team_barrier();
     for (int64_t di = r0; di < r1; ++di) {
-      if (!covered[di]) rows::ZeroRow(d, gex + di * H, static_cast<size_t>(H));
+      if (!covered[di]) rows::StreamBytes(nullptr, gex + di * H, row_bytes, true);
     }
     const int mt = std::min(nt, std::max(p.threads, 1));
     if (tid < mt) {

@@ -260,10 +260,10 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
     T* o = gx + r * N;
     size_t j = 0;
     for (; j < Nv; j += L) {
-      rows::StoreNarrow(d, value(hn::LoadU(d, xr + j), grad_at(j)), o + j);
+      StoreF(d, value(hn::LoadU(d, xr + j), grad_at(j)), o + j);
     }
     if (j < Nz) {  // G is padded with +0
-      rows::StoreNarrowN(d, value(rows::LoadWideN(d, xr + j, Nz - j), grad_at(j)),
+      StoreFN(d, value(LoadFN(d, xr + j, Nz - j), grad_at(j)),
                          o + j, Nz - j);
     }
   }

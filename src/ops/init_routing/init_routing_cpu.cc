@@ -53,7 +53,7 @@ HWY_INLINE void grad_block(DF d, const InitRoutingGradPlan& p, const int32_t* id
       rows::PrefetchAhead(src, next, row_bytes, j * sizeof(T) + off);
     }
     for (size_t u = 0; u < U; ++u) {
-      const VF v = kTail ? rows::LoadWideN(d, src + j, n) : rows::LoadWide(d, src + j + u * L);
+      const VF v = kTail ? LoadFN(d, src + j, n) : LoadF(d, src + j + u * L);
       acc[u] = hn::Add(acc[u], v);
     }
   }
@@ -62,78 +62,17 @@ HWY_INLINE void grad_block(DF d, const InitRoutingGradPlan& p, const int32_t* id
 template <typename T>
 void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, int64_t end) {
   const DF d;
-  const size_t L = hn::Lanes(d);
   const size_t H = static_cast<size_t>(p.H);
   const T* g = typed<T>(p.grad_expanded_x);
   T* out = typed<T>(p.grad_x);
   const bool nt = stream_output(mul_sat(p.R, p.H * static_cast<int64_t>(sizeof(T))));
   for (int64_t r = begin; r < end; ++r) {
     const bool has_next = r + 1 < end;
-    T* o = out + r * p.H;
-    const bool stream = nt && rows::StreamAligned(d, o);
-    const bool stream2 = nt && rows::Stream2Aligned(d, o);
-    VF acc[4];
-    size_t j = 0;
-    for (; j + 4 * L <= H; j += 4 * L) {
-      grad_block<4, false>(d, p, idx, g, r, has_next, j, 0, acc);
-      if (stream2) {
-        rows::StreamNarrow2(d, acc[0], acc[1], o + j);
-        rows::StreamNarrow2(d, acc[2], acc[3], o + j + 2 * L);
-        continue;
-      }
-      for (size_t u = 0; u < 4; ++u) {
-        if (stream) {
-          rows::StreamNarrow(d, acc[u], o + j + u * L);
-        } else {
-          rows::StoreNarrow(d, acc[u], o + j + u * L);
-        }
-      }
-    }
-    for (; j + L <= H; j += L) {
-      grad_block<1, false>(d, p, idx, g, r, has_next, j, 0, acc);
-      if (stream) {
-        rows::StreamNarrow(d, acc[0], o + j);
-      } else {
-        rows::StoreNarrow(d, acc[0], o + j);
-      }
-    }
-    if (j < H) {
-      grad_block<1, true>(d, p, idx, g, r, has_next, j, H - j, acc);
-      rows::StoreNarrowN(d, acc[0], o + j, H - j);
-    }
+    rows::WriteRow(d, out + r * p.H, H, nt, [&](auto U, auto tail, size_t j, size_t n, VF* acc) {
+      grad_block<decltype(U)::value, decltype(tail)::value>(d, p, idx, g, r, has_next, j, n, acc);
+    });
   }
   hwy::FlushStream();
-}
-
-
-// One row of expanded_x: a copy of `src` (or +0.0 when src is null). With `nt`, written with
-// non-temporal stores for the whole aligned vectors (this skips the read-for-ownership of each
-// destination line), memcpy/memset for the ragged ends.
-void stream_row(const unsigned char* HWY_RESTRICT src, unsigned char* HWY_RESTRICT dst,
-                size_t bytes, bool nt) {
-  if (!nt) {
-    if (src) {
-      std::memcpy(dst, src, bytes);
-    } else {
-      std::memset(dst, 0, bytes);
-    }
-    return;
-  }
-  const hn::ScalableTag<uint8_t> d;
-  const size_t v = hn::Lanes(d);
-  size_t head = (v - reinterpret_cast<uintptr_t>(dst) % v) % v;
-  if (head > bytes) head = bytes;
-  size_t i = 0;
-  if (src) {
-    std::memcpy(dst, src, head);
-    for (i = head; i + v <= bytes; i += v) hn::Stream(hn::LoadU(d, src + i), d, dst + i);
-    std::memcpy(dst + i, src + i, bytes - i);
-  } else {
-    std::memset(dst, 0, head);
-    const auto z = hn::Zero(d);
-    for (i = head; i + v <= bytes; i += v) hn::Stream(z, d, dst + i);
-    std::memset(dst + i, 0, bytes - i);
-  }
 }
 
 }  // namespace
@@ -150,7 +89,7 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
       for (int64_t d = d0; d < d1; ++d) {
         const unsigned char* src =
             d < n_act ? x + static_cast<int64_t>(sorted[d] / K) * rb : nullptr;
-        stream_row(src, ex + d * rb, rb, nt);
+        rows::StreamBytes(src, ex + d * rb, rb, nt);
       }
       hwy::FlushStream();
     });
@@ -162,7 +101,7 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
         const int64_t cnt = starts[b + 1] - starts[b];
         const unsigned char* src =
             q < cnt ? x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb : nullptr;
-        stream_row(src, ex + j * rb, rb, nt);
+        rows::StreamBytes(src, ex + j * rb, rb, nt);
       }
       hwy::FlushStream();
     });
