@@ -15,66 +15,10 @@
 #include "core/simd-inl.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
+#include "ops/swiglu/fp8-inl.h"
+#include "ops/swiglu/fp8.h"
 #include "ops/swiglu/swiglu-inl.h"
 #include "ops/swiglu/swiglu.h"
-
-#ifndef MOEGRAD_SWIGLU_QUANT_CPU_ONCE_
-#define MOEGRAD_SWIGLU_QUANT_CPU_ONCE_
-namespace moegrad {
-namespace quant_detail {
-
-// fp32 -> float8_e4m3fn code: 4 exponent bits (bias 7), 3 mantissa bits, no infinity; NaN and
-// every |v| >= 480 (inf included) give the NaN code 0x7f (PyTorch's rule). Round to nearest even.
-inline uint8_t to_e4m3fn(float v) {
-  uint32_t u = f32_bits(v);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  u &= 0x7fffffffu;
-  uint8_t r;
-  if (u >= 0x43f00000u) {  // 480 (NaN and inf too)
-    r = 0x7f;
-  } else if (u < 0x3c800000u) {  // below 2^-6: subnormal codes, steps of 2^-9
-    // Adding 2^14 rounds to a multiple of 2^-9 (fp32 round to nearest even).
-    const float t = f32_from_bits(u) + 16384.0f;
-    r = static_cast<uint8_t>(f32_bits(t) - 0x46800000u);
-  } else {
-    const uint32_t odd = (u >> 20) & 1u;
-    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + odd;
-    r = static_cast<uint8_t>(u >> 20);
-  }
-  return r | sign;
-}
-
-// fp32 -> float8_e5m2 code: 5 exponent bits (bias 15), 2 mantissa bits; |v| >= 65536 gives inf
-// (0x7c), NaN gives 0x7f (PyTorch's rule). Round to nearest even.
-inline uint8_t to_e5m2(float v) {
-  uint32_t u = f32_bits(v);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  u &= 0x7fffffffu;
-  uint8_t r;
-  if (u >= 0x47800000u) {  // 65536
-    r = u > 0x7f800000u ? 0x7f : 0x7c;
-  } else if (u < 0x38800000u) {  // below 2^-14: subnormal codes, steps of 2^-16
-    const float t = f32_from_bits(u) + 128.0f;
-    r = static_cast<uint8_t>(f32_bits(t) - 0x43000000u);
-  } else {
-    const uint32_t odd = (u >> 21) & 1u;
-    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + odd;
-    r = static_cast<uint8_t>(u >> 21);
-  }
-  return r | sign;
-}
-
-// The smallest power of two >= s for a positive normal s: the exponent from the fp32 bits,
-// plus one when the mantissa is not zero (§6.4).
-inline float pow2_ceil(float s) {
-  uint32_t u = f32_bits(s);
-  const uint32_t e = (u >> 23) + ((u & 0x7fffffu) != 0 ? 1u : 0u);
-  return f32_from_bits(e << 23);
-}
-
-}  // namespace quant_detail
-}  // namespace moegrad
-#endif  // MOEGRAD_SWIGLU_QUANT_CPU_ONCE_
 
 HWY_BEFORE_NAMESPACE();
 namespace moegrad {
@@ -82,48 +26,8 @@ namespace HWY_NAMESPACE {
 namespace {
 
 using quant_detail::pow2_ceil;
-using quant_detail::to_e4m3fn;
-using quant_detail::to_e5m2;
 
 constexpr float kAmaxFloor = 1e-4f;  // §6.4: the block amax is at least 1e-4
-
-// Vector FP8 encoder: the same integer steps as to_e4m3fn / to_e5m2 on whole lanes.
-template <bool kE5M2>
-HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> EncodeFp8(DF d, VF q) {
-  const hn::RebindToUnsigned<DF> du;
-  const hn::RebindToSigned<DF> di;
-  const auto u = hn::BitCast(du, q);
-  const auto sign = hn::And(hn::ShiftRight<24>(u), hn::Set(du, 0x80u));
-  const auto a = hn::And(u, hn::Set(du, 0x7fffffffu));
-  const auto ai = hn::BitCast(di, a);  // < 2^31: signed compares are exact
-  constexpr uint32_t kBig = kE5M2 ? 0x47800000u : 0x43f00000u;
-  constexpr uint32_t kMinNormal = kE5M2 ? 0x38800000u : 0x3c800000u;
-  constexpr uint32_t kRebias = kE5M2 ? 0xc8000000u : 0xc4000000u;  // (bias - 127) << 23
-  constexpr uint32_t kHalf = kE5M2 ? 0xfffffu : 0x7ffffu;
-  constexpr int kShift = kE5M2 ? 21 : 20;
-  const auto odd = hn::And(hn::ShiftRight<kShift>(a), hn::Set(du, 1u));
-  auto normal =
-      hn::ShiftRight<kShift>(hn::Add(hn::Add(a, hn::Set(du, kRebias + kHalf)), odd));
-  if (!kE5M2) {
-    // e4m3fn: for |q| >= 480 (inf and NaN included) the sum above wraps to a code >= 0x7f and
-    // below it gives at most 0x7f, so an unsigned min is the NaN-code rule. Below the normal
-    // range (no wrap: a huge value) the subnormal blend replaces it.
-    normal = hn::Min(normal, hn::Set(du, 0x7fu));
-  }
-  const float magic = kE5M2 ? 128.0f : 16384.0f;
-  const auto sub = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(d, a), hn::Set(d, magic))),
-                           hn::Set(du, f32_bits(magic)));
-  auto r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(ai, hn::Set(di, static_cast<int32_t>(kMinNormal)))), sub, normal);
-  if (kE5M2) {
-    // NaN (above the infinity's bits) keeps a NaN code; |q| >= 65536 and inf give inf.
-    const auto big_code =
-        hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7f800000))),
-                       hn::Set(du, 0x7fu), hn::Set(du, 0x7cu));
-    r = hn::IfThenElse(
-        hn::RebindMask(du, hn::Gt(ai, hn::Set(di, static_cast<int32_t>(kBig - 1)))), big_code, r);
-  }
-  return hn::Or(r, sign);
-}
 
 // The scale of a block from its amax over the finite values (§6.4); *inv is what the values
 // are multiplied by before encoding.
@@ -139,33 +43,15 @@ HWY_INLINE float BlockScale(float amax, float fmax, bool round_scale, float* inv
   return scale;
 }
 
-// Encodes n (<= block) values times inv into n codes; with `stream`, whole aligned vectors of
-// codes go out with non-temporal stores (AVX-512: 16 codes, one 16-byte store).
+// Encodes the n values of a chunk, block by block (inv[k]: block k's multiplier). Not inlined:
+// in the row loop the SwiGLU's constants hold most vector registers and the encoder's were
+// rebuilt every vector (docs/decisions.md L97).
 template <bool kE5M2>
-HWY_INLINE void EncodeBlock(const float* HWY_RESTRICT v, int64_t n, float inv, bool stream,
-                            uint8_t* HWY_RESTRICT out) {
-  const DF d;
-  const hn::Rebind<uint8_t, DF> d8;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  const VF vinv = hn::Set(d, inv);
-  int64_t i = 0;
-#if MOEGRAD_SIMD_AVX512
-  if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
-    for (; i + N <= n; i += N) {
-      const auto codes = hn::TruncateTo(d8, EncodeFp8<kE5M2>(d, hn::Mul(hn::LoadU(d, v + i), vinv)));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), codes.raw);
-    }
-  }
-#else
-  (void)stream;
-#endif
-  for (; i + N <= n; i += N) {
-    const auto codes = EncodeFp8<kE5M2>(d, hn::Mul(hn::LoadU(d, v + i), vinv));
-    hn::StoreU(hn::TruncateTo(d8, codes), d8, out + i);
-  }
-  for (; i < n; ++i) {
-    const float q = v[i] * inv;
-    out[i] = kE5M2 ? to_e5m2(q) : to_e4m3fn(q);
+HWY_NOINLINE void EncodeChunk(const float* HWY_RESTRICT v, int64_t n, int64_t B,
+                              const float* HWY_RESTRICT inv, bool stream,
+                              uint8_t* HWY_RESTRICT out) {
+  for (int64_t j = 0, k = 0; j < n; j += B, ++k) {
+    EncodeBlock<kE5M2>(v + j, std::min(B, n - j), inv[k], stream, out + j);
   }
 }
 
@@ -255,18 +141,18 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
           store_chunk(o, yo + t * H + h0, n);
         }
       }
+      float inv[kChunk / 32];
       for (size_t j = 0; j < n; j += static_cast<size_t>(B)) {
-        const int64_t blk = (h0 + static_cast<int64_t>(j)) / B;
-        float inv;
-        const float s = BlockScale(amax[j / static_cast<size_t>(B)], fmax, p.round_scale, &inv);
-        EncodeBlock<kE5M2>(o + j, std::min<int64_t>(B, static_cast<int64_t>(n - j)), inv, stream,
-                           yr + h0 + static_cast<int64_t>(j));
+        const size_t k = j / static_cast<size_t>(B);
+        const int64_t blk = h0 / B + static_cast<int64_t>(k);
+        const float s = BlockScale(amax[k], fmax, p.round_scale, &inv[k]);
         if (sc32) {
           sc32[t * S + blk] = s;
         } else {
           sc8[t * S + blk] = static_cast<uint8_t>(f32_bits(s) >> 23);  // e8m0: biased exponent
         }
       }
+      EncodeChunk<kE5M2>(o, static_cast<int64_t>(n), B, inv, stream, yr + h0);
     }
     if (sc8 && S > p.blocks) sc8[t * S + p.blocks] = 0;  // the pad of an odd block count
   }
