@@ -36,7 +36,9 @@ HWY_INLINE float BlockScale(float amax, float fmax, bool round_scale, float* inv
   float scale = ah / fmax;
   if (round_scale) {
     scale = pow2_ceil(scale);
-    *inv = 1.0f / scale;  // exact: a power of two
+    // 1 / scale, exact: the power of two 2^(127 - e) for the biased exponent e of the scale,
+    // which lies in [98, 247] (amax between 1e-4 and the largest float, fmax 448 or 57344).
+    *inv = f32_from_bits((254u - (f32_bits(scale) >> 23)) << 23);
   } else {
     *inv = fmax / ah;
   }
@@ -121,7 +123,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
         load_chunk(x0 + h0 + nv, a + nv, n - nv);
         load_chunk(x1 + h0 + nv, b + nv, n - nv);
       }
-      for (size_t j = 0; j < n; j += Bs) {
+      for (size_t j = 0, k = 0; j < n; j += Bs, ++k) {
         const size_t jend = std::min(j + Bs, n);
         [[maybe_unused]] const size_t jv = std::min(jend, nv);
         VF vmax = hn::Zero(d);
@@ -132,7 +134,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
           }
         }
         for (; i < jend; i += N) vmax = step(vmax, f(hn::Load(d, a + i), hn::Load(d, b + i)), i);
-        amax[j / Bs] = hn::GetLane(hn::MaxOfLanes(d, vmax));
+        amax[k] = hn::GetLane(hn::MaxOfLanes(d, vmax));
       }
       if (yo) {
         if (stream) {
@@ -142,14 +144,15 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
         }
       }
       float inv[kChunk / 32];
-      for (size_t j = 0; j < n; j += static_cast<size_t>(B)) {
-        const size_t k = j / static_cast<size_t>(B);
-        const int64_t blk = h0 / B + static_cast<int64_t>(k);
+      const size_t nb = (n + Bs - 1) / Bs;
+      const int64_t blk0 = h0 / B;
+      for (size_t k = 0; k < nb; ++k) {
         const float s = BlockScale(amax[k], fmax, p.round_scale, &inv[k]);
         if (sc32) {
-          sc32[t * S + blk] = s;
+          sc32[t * S + blk0 + static_cast<int64_t>(k)] = s;
         } else {
-          sc8[t * S + blk] = static_cast<uint8_t>(f32_bits(s) >> 23);  // e8m0: biased exponent
+          // e8m0: the biased exponent
+          sc8[t * S + blk0 + static_cast<int64_t>(k)] = static_cast<uint8_t>(f32_bits(s) >> 23);
         }
       }
       EncodeChunk<kE5M2>(o, static_cast<int64_t>(n), B, inv, stream, yr + h0);
