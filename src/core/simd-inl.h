@@ -418,9 +418,11 @@ HWY_INLINE VF SigmoidT(DF d, VF x) {
 HWY_INLINE VF Sigmoid(DF d, VF x) { return SigmoidT<false>(d, x); }
 HWY_INLINE VF Sigmoid16(DF d, VF x) { return SigmoidT<true>(d, x); }
 
-// sqrt(log(1 + exp(x))) without overflow.
+// sqrt(log(1 + exp(x))) without overflow: exp of -|x| (clamped at -104, below which it is 0)
+// with the exp of L71.
 HWY_INLINE VF SqrtSoftplus(DF d, VF x) {
-  const VF sp = hn::Add(hn::Max(x, hn::Zero(d)), hn::Log1p(d, hn::Exp(d, hn::Neg(hn::Abs(x)))));
+  const VF e = ExpClamped(d, hn::Max(hn::Set(d, -104.0f), hn::Neg(hn::Abs(x))));
+  const VF sp = hn::Add(hn::Max(x, hn::Zero(d)), hn::Log1p(d, e));
   return hn::IfThenElse(hn::IsNaN(x), x, hn::Sqrt(sp));
 }
 
