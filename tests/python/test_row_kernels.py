@@ -9,7 +9,8 @@ routing grad, gating top-k backward; docs/performance.md "Gather/scatter kernels
 * Threads: 1, 2, 3 and 5 threads give the same bits; the finalize grad's parallel
   covered-rows pass zeroes every row no slot addresses and writes every element of a poisoned
   output, at each thread count.
-* Gating backward: rows of 2 to 100 experts, K from 1 to 40, repeated expert ids.
+* Gating backward: rows of 2 to 257 experts, K from 1 to 40, repeated expert ids, batches of
+  rows and single rows.
 """
 
 from __future__ import annotations
@@ -247,10 +248,14 @@ def _gating_backward_emulated(xn, gy, e, renorm, norm_type, rsf, eps):
 
 
 @DTYPES
-@pytest.mark.parametrize("N,K", [(2, 1), (2, 2), (17, 4), (32, 4), (33, 16), (64, 17), (100, 40)])
+@pytest.mark.parametrize("N,K", [(2, 1), (2, 2), (17, 4), (32, 4), (33, 16), (64, 17), (100, 40),
+                                 (256, 8), (257, 3)])
 @pytest.mark.parametrize("norm_type,renorm", [(1, 0), (0, 1), (0, 0)])
 def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renorm, rng):
-    M = 29
+    # 70 rows: whole batches of a vector's worth of rows (the slot scalars one row per lane,
+    # G rows in a tile) and rows after them, at 1, 2 and 3 threads; with 5 threads (14-row
+    # chunks) no whole batch on AVX-512. N = 257 and K > 16 rows take the one-row form.
+    M = 70
     logits = randn((M, N), F32, rng)
     xn = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, dim=1)
     gy = randn((M, K), dtype, rng)

@@ -174,20 +174,112 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
   }
 }
 
-// One row of the backward (§1.5, D22). G = the gradient w.r.t. the normalised scores of the
-// selected experts: the renorm backward of g = rsf * grad_y (sigmoid, sqrt-softplus, softmax with
-// renorm 1) or g itself (softmax without renorm), scattered with repeats summed (D1). Then the
-// chain rule through the normalisation: s(1 - s) (sigmoid), dn/dx (sqrt-softplus) or the softmax
-// Jacobian s_j (G_j - sum_i s_i G_i) over all N columns, one vector at a time, narrowed to T in
-// registers. Every fp32 operation rounds on its own, in the order written here (no contraction,
-// L43), so the CUDA kernel gives the same bits.
-// Rows of at most kRegisterExperts experts and kRegisterSlots slots build G in registers: a
-// compare and a masked add per slot and vector instead of the scatter into a row buffer, whose
-// lane-wise stores stall the vector loads that follow (store forwarding) on such short rows
-// (~10 % faster at GPT-OSS shapes, E = 32). The same bits: lanes of no selected expert add +0
-// to a sum that starts at +0 and so is never -0.
-constexpr int64_t kRegisterExperts = 64;
-constexpr int64_t kRegisterSlots = 16;
+// The backward (§1.5, D22), per row: G = the gradient w.r.t. the normalised scores of the
+// selected experts: the renorm backward of g = rsf * grad_y (sigmoid, sqrt-softplus, softmax
+// with renorm 1) or g itself (softmax without renorm), scattered with repeats summed (D1). Then
+// the chain rule through the normalisation: s(1 - s) (sigmoid), dn/dx (sqrt-softplus) or the
+// softmax Jacobian s_j (G_j - sum_i s_i G_i) over all N columns, one vector at a time, narrowed
+// to T in registers. Every fp32 operation rounds on its own, in the order written here (no
+// contraction, L43), so the CUDA kernel gives the same bits.
+//
+// The per-slot scalars (the K selected scores, their sum, the renorm's beta and g'_k, the
+// softmax dot) are computed for a batch of Lanes(d) rows at once, one row per lane, with the
+// same operations in the same order as one row at a time (IEEE division, like every other
+// operation here, is correctly rounded, so the vector division gives the scalar's bits). That
+// replaces 2K dependent scalar divisions and three dependent sums of K terms per row by the
+// same number of vector operations per batch (docs/decisions.md L91). The g'_k of the batch are
+// then scattered into a tile of one G row per batch row (+0, then the slots in slot order:
+// repeats summed, D1), and only then is each row's output computed from its G row: the vector
+// loads of G no longer wait for the scalar stores of the scatter just before them (store
+// forwarding; the earlier kernel built G in registers with a compare and a masked add per slot
+// and vector for that reason). Each row leaves its G row +0 again. Rows past the last
+// whole batch, and rows of more than kBatchSlots slots or kBatchExperts experts, take the
+// one-row form of the same arithmetic.
+constexpr int64_t kBatchSlots = 16;
+constexpr int64_t kBatchExperts = 64;
+constexpr size_t kBatchRows = 16;  // at most Lanes(d) rows a batch (AVX-512)
+
+struct BackwardScalars {
+  bool renorm;
+  int64_t norm_type;
+  float rsf, eps;
+};
+
+// The slot scalars of one row: gp[k * stride] = g'_k and *dot (softmax only) from the row's
+// scores xr and expert ids er; gs holds the row's grad_y in fp32 and is scaled by rsf in place;
+// w is scratch for the K selected scores.
+HWY_INLINE void RowScalars(const BackwardScalars& c, const float* xr, const int32_t* er,
+                           int64_t N, int64_t K, float* w, float* gs, float* gp, size_t stride,
+                           float* dot) {
+  float sum = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const int32_t e = er[k];
+    // Out-of-range device indices are skipped (never read or written out of bounds).
+    w[k] = (e >= 0 && e < N) ? xr[e] : 0.0f;
+    gs[k] = c.rsf * gs[k];
+    sum += w[k];
+  }
+  if (c.renorm) {
+    const float denom = c.eps + sum;
+    float beta = 0.0f;
+    for (int64_t k = 0; k < K; ++k) beta += (w[k] / denom) * gs[k];
+    for (int64_t k = 0; k < K; ++k) gp[k * stride] = (gs[k] - beta) / denom;
+  } else {
+    for (int64_t k = 0; k < K; ++k) gp[k * stride] = gs[k];
+  }
+  float dt = 0.0f;  // softmax: sum_j s_j G_j = sum_k s_{e_k} g'_k, in slot order
+  if (c.norm_type == 0) {
+    for (int64_t k = 0; k < K; ++k) dt += w[k] * gp[k * stride];
+  }
+  *dot = dt;
+}
+
+// RowScalars for the Lanes(d) rows r0 .. r0 + Lanes of a batch at once, lane i = row r0 + i:
+// gpb[k * Lanes + i] = g'_k and dotb[i] of row r0 + i. gsb holds the rows' gradients, fp32,
+// row-major (K per row). K <= kBatchSlots.
+HWY_INLINE void BatchScalars(DF d, const BackwardScalars& c, const float* xn, const int32_t* idx,
+                             const float* gsb, int64_t r0, int64_t N, int64_t K, float* gpb,
+                             float* dotb) {
+  const size_t L = hn::Lanes(d);
+  HWY_ALIGN float wt[kBatchSlots * kMaxFloatLanes];  // [k][lane]: the selected scores
+  HWY_ALIGN float gt[kBatchSlots * kMaxFloatLanes];  // [k][lane]: the gradients
+  for (size_t i = 0; i < L; ++i) {
+    const int64_t r = r0 + static_cast<int64_t>(i);
+    const float* xr = xn + r * N;
+    const int32_t* er = idx + r * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = er[k];
+      wt[k * L + i] = (e >= 0 && e < N) ? xr[e] : 0.0f;
+      gt[k * L + i] = gsb[i * K + k];
+    }
+  }
+  const VF rsf = hn::Set(d, c.rsf);
+  VF sum = hn::Zero(d);
+  for (int64_t k = 0; k < K; ++k) sum = hn::Add(sum, hn::Load(d, wt + k * L));
+  if (c.renorm) {
+    const VF denom = hn::Add(hn::Set(d, c.eps), sum);
+    VF beta = hn::Zero(d);
+    for (int64_t k = 0; k < K; ++k) {
+      const VF gs = hn::Mul(rsf, hn::Load(d, gt + k * L));
+      beta = hn::Add(beta, hn::Mul(hn::Div(hn::Load(d, wt + k * L), denom), gs));
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const VF gs = hn::Mul(rsf, hn::Load(d, gt + k * L));
+      hn::Store(hn::Div(hn::Sub(gs, beta), denom), d, gpb + k * L);
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      hn::Store(hn::Mul(rsf, hn::Load(d, gt + k * L)), d, gpb + k * L);
+    }
+  }
+  VF dot = hn::Zero(d);
+  if (c.norm_type == 0) {
+    for (int64_t k = 0; k < K; ++k) {
+      dot = hn::Add(dot, hn::Mul(hn::Load(d, wt + k * L), hn::Load(d, gpb + k * L)));
+    }
+  }
+  hn::Store(dot, d, dotb);
+}
 
 template <typename T>
 void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t begin,
@@ -197,75 +289,86 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
   const int64_t N = p.N, K = p.K;
   const size_t Nz = static_cast<size_t>(N), Nv = Nz / L * L;
   const int64_t norm_type = p.attrs.norm_type;
-  const bool renorm = norm_type != 0 || p.attrs.renorm == 1;
-  const float rsf = static_cast<float>(p.attrs.routed_scaling_factor);
-  const float eps = static_cast<float>(p.attrs.eps);
+  const BackwardScalars c{norm_type != 0 || p.attrs.renorm == 1, norm_type,
+                          static_cast<float>(p.attrs.routed_scaling_factor),
+                          static_cast<float>(p.attrs.eps)};
   const float* xn = typed<float>(p.x_norm);
   const T* gy = typed<T>(p.grad_y);
   T* gx = typed<T>(p.grad_x);
   // N <= 2048 (validated): the row scratch fits the stack, so this op needs no workspace with
   // int32 indices (C callers may pass none, as its size is then 0).
   const size_t np = padded(Nz);
-  HWY_ALIGN float G[kMaxExpertsCpu + kMaxFloatLanes];
-  std::fill(G, G + np, 0.0f);
-  float gs[kMaxExpertsCpu], w[kMaxExpertsCpu], gp[kMaxExpertsCpu];
+  const bool batch = K <= kBatchSlots && N <= kBatchExperts && L <= kBatchRows;
+  // The G rows (one per batch row; one row of up to 2048 experts without batches), padded
+  // with +0 to whole vectors; all +0 between rows.
+  HWY_ALIGN float G[kBatchRows * kBatchExperts + kMaxExpertsCpu];
+  std::fill(G, G + (batch ? L : 1) * np, 0.0f);
+  float w[kMaxExpertsCpu], gs[kMaxExpertsCpu];
+  // The slot scalars of up to Lanes rows: [k][lane] (stride L) for a batch, [k] for one row.
+  HWY_ALIGN float gp[kMaxExpertsCpu + kMaxFloatLanes];
+  HWY_ALIGN float dots[kMaxFloatLanes];
+  HWY_ALIGN float gsb[kBatchSlots * kMaxFloatLanes];  // grad_y of a batch, fp32, row-major
 
-  const bool regs = N <= kRegisterExperts && K <= kRegisterSlots;
-  for (int64_t r = begin; r < end; ++r) {
-    const float* xr = xn + r * N;
-    const int32_t* er = idx + r * K;
-    if (!regs) std::fill(G, G + N, 0.0f);
-    float sum = 0.0f;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t e = er[k];
-      // Out-of-range device indices are skipped (never read or written out of bounds).
-      w[k] = (e >= 0 && e < N) ? xr[e] : 0.0f;
-      gs[k] = rsf * to_f32(gy[r * K + k]);
-      sum += w[k];
-    }
-    if (renorm) {
-      const float denom = eps + sum;
-      float beta = 0.0f;
-      for (int64_t k = 0; k < K; ++k) beta += (w[k] / denom) * gs[k];
-      for (int64_t k = 0; k < K; ++k) gp[k] = (gs[k] - beta) / denom;
+  for (int64_t r0 = begin; r0 < end;) {
+    const bool whole = batch && end - r0 >= static_cast<int64_t>(L);
+    const int64_t nb = whole ? static_cast<int64_t>(L) : 1;
+    const size_t stride = whole ? L : 1;
+    if (whole) {
+      // The next batch's indices and gradients (its x_norm rows: in the row loop below).
+      if (r0 + 2 * nb <= end) {
+        const char* ni = reinterpret_cast<const char*>(idx + (r0 + nb) * K);
+        const char* ng = reinterpret_cast<const char*>(gy + (r0 + nb) * K);
+        for (size_t b = 0; b < L * static_cast<size_t>(K) * sizeof(int32_t); b += 64) {
+          hwy::Prefetch(ni + b);
+        }
+        for (size_t b = 0; b < L * static_cast<size_t>(K) * sizeof(T); b += 64) {
+          hwy::Prefetch(ng + b);
+        }
+      }
+      load_chunk(gy + r0 * K, gsb, static_cast<size_t>(nb * K));
+      BatchScalars(d, c, xn, idx, gsb, r0, N, K, gp, dots);
     } else {
-      for (int64_t k = 0; k < K; ++k) gp[k] = gs[k];
+      load_chunk(gy + r0 * K, gs, static_cast<size_t>(K));
+      RowScalars(c, xn + r0 * N, idx + r0 * K, N, K, w, gs, gp, 1, dots);
     }
-    if (!regs) {
+    for (int64_t i = 0; i < nb; ++i) {  // scatter-add (D1), slot order
+      const int32_t* er = idx + (r0 + i) * K;
+      float* Gr = G + i * np;
       for (int64_t k = 0; k < K; ++k) {
         const int32_t e = er[k];
-        if (e >= 0 && e < N) G[e] += gp[k];  // scatter-add (D1)
+        // Out-of-range device indices are skipped (never read or written out of bounds).
+        if (e >= 0 && e < N) Gr[e] += gp[k * stride + i];
       }
     }
-    float dot = 0.0f;  // softmax: sum_j s_j G_j = sum_k s_{e_k} g'_k, in slot order
-    if (norm_type == 0) {
-      for (int64_t k = 0; k < K; ++k) dot += w[k] * gp[k];
-    }
-    auto value = [&](VF x, VF g) {
-      if (norm_type == 1) return hn::Mul(hn::Mul(x, hn::Sub(hn::Set(d, 1.0f), x)), g);
-      if (norm_type == 0) return hn::Mul(x, hn::Sub(g, hn::Set(d, dot)));
-      return hn::Mul(SqrtSoftplusGrad(d, x), g);
-    };
-    auto grad_at = [&](size_t j) {
-      if (!regs) return hn::Load(d, G + j);
-      const hn::RebindToSigned<DF> di;
-      const auto cols = hn::Add(hn::Iota(di, 0), hn::Set(di, static_cast<int32_t>(j)));
-      VF acc = hn::Zero(d);
-      for (int64_t k = 0; k < K; ++k) {  // scatter-add (D1); ids outside [0, N) match no column
-        const auto hit = hn::RebindMask(d, hn::Eq(cols, hn::Set(di, er[k])));
-        acc = hn::Add(acc, hn::IfThenElseZero(hit, hn::Set(d, gp[k])));
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t r = r0 + i;
+      const float* xr = xn + r * N;
+      float* Gr = G + i * np;
+      const VF dot = hn::Set(d, dots[i]);
+      auto value = [&](VF x, VF g) {
+        if (norm_type == 1) return hn::Mul(hn::Mul(x, hn::Sub(hn::Set(d, 1.0f), x)), g);
+        if (norm_type == 0) return hn::Mul(x, hn::Sub(g, dot));
+        return hn::Mul(SqrtSoftplusGrad(d, x), g);
+      };
+      T* o = gx + r * N;
+      // The same row of the next batch: phase A reads a few random elements of each of its
+      // rows before this loop streams them, which the hardware prefetcher does not follow.
+      const float* ahead = whole && r + nb < end ? xr + nb * N : nullptr;
+      // Each G vector is read once and left +0 for the next batch (whole-vector stores: a
+      // loop resetting only the K entries the row touched compiles to a slow vector scatter).
+      auto grad_at = [&](size_t j) {
+        const VF g = hn::Load(d, Gr + j);
+        hn::Store(hn::Zero(d), d, Gr + j);
+        return g;
+      };
+      size_t j = 0;
+      for (; j < Nv; j += L) {
+        if (ahead) hwy::Prefetch(ahead + j);
+        StoreF(d, value(hn::LoadU(d, xr + j), grad_at(j)), o + j);
       }
-      return acc;
-    };
-    T* o = gx + r * N;
-    size_t j = 0;
-    for (; j < Nv; j += L) {
-      StoreF(d, value(hn::LoadU(d, xr + j), grad_at(j)), o + j);
+      if (j < Nz) StoreFN(d, value(LoadFN(d, xr + j, Nz - j), grad_at(j)), o + j, Nz - j);
     }
-    if (j < Nz) {  // G is padded with +0
-      StoreFN(d, value(LoadFN(d, xr + j, Nz - j), grad_at(j)),
-                         o + j, Nz - j);
-    }
+    r0 += nb;
   }
 }
 
