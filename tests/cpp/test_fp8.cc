@@ -111,10 +111,10 @@ void check(bool e5m2, const std::vector<float>& v, int64_t block, float inv, boo
     HWY_DYNAMIC_DISPATCH(moegrad::Encode)(e5m2, v.data(), static_cast<int64_t>(v.size()), block,
                                           inv, stream, out);
     for (size_t i = 0; i < v.size(); ++i) {
-      ASSERT_EQ(static_cast<int>(out[i]), static_cast<int>(want[i])) << (e5m2 ? "e5m2" : "e4m3fn") << " input bits 0x" << std::hex
-                                 << bits(v[i]) << " times 0x" << bits(inv) << " (element "
-                                 << std::dec << i << ", block " << block << ", stream "
-                                 << stream << ", misalign " << misalign << ")";
+      ASSERT_EQ(static_cast<int>(out[i]), static_cast<int>(want[i]))
+          << (e5m2 ? "e5m2" : "e4m3fn") << " input bits 0x" << std::hex << bits(v[i])
+          << " times 0x" << bits(inv) << " (element " << std::dec << i << ", block " << block
+          << ", stream " << stream << ", misalign " << misalign << ")";
     }
   });
 }

@@ -105,6 +105,10 @@ CASES = [
     pytest.param(dict(dst=E4, mode=1, rs=True, H=96), id="mx-e4m3-odd-blocks"),
     pytest.param(dict(dst=E4, mode=1, rs=True, H=2600), id="mx-e4m3-H2600"),
     pytest.param(dict(dst=E5, mode=1, rs=True, H=33), id="mx-e5m2-H33"),
+    # Rows of 8 or more blocks per 2048-value chunk: the kernel's 16-block amax reduction, with a
+    # short last chunk (2880 = 2048 + 832) and a partial last block (1100 = 8 * 128 + 76).
+    pytest.param(dict(dst=E4, mode=0, rs=False, H=2880), id="e4m3-128-H2880"),
+    pytest.param(dict(dst=E5, mode=0, rs=True, H=1100), id="e5m2-128-pow2-H1100"),
 ]
 SHAPES = [pytest.param((7,), id="rank2"), pytest.param((2, 3), id="rank3"),
           pytest.param((1, 1, 1, 1, 1, 1, 3), id="rank8")]
