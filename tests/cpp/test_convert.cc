@@ -14,16 +14,9 @@
 
 namespace {
 
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using moegrad_test::fbits;
+using moegrad_test::ffrom;
+
 uint16_t half_bits(_Float16 h) {
   uint16_t u;
   std::memcpy(&u, &h, 2);
@@ -37,14 +30,14 @@ _Float16 half_from(uint16_t u) {
 
 // Round-to-nearest-even of a finite float to bf16, computed with double arithmetic.
 uint16_t bf16_reference(float f) {
-  const uint32_t u = bits(f);
+  const uint32_t u = fbits(f);
   const uint32_t lo = u & 0xffff0000u;  // truncation toward zero (same sign)
   const uint32_t hi = lo + 0x10000u;    // next bf16 away from zero (may be inf)
   const double d = std::fabs(static_cast<double>(f));
-  const double dlo = std::fabs(static_cast<double>(from_bits(lo)));
+  const double dlo = std::fabs(static_cast<double>(ffrom(lo)));
   // Past the largest bf16 the next step up is 2^128, which rounds to inf.
   const bool top = (hi & 0x7fffffffu) >= 0x7f800000u;
-  const double dhi = top ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(from_bits(hi)));
+  const double dhi = top ? std::ldexp(1.0, 128) : std::fabs(static_cast<double>(ffrom(hi)));
   const double up_gap = dhi - d;
   const double down_gap = d - dlo;
   uint32_t r;
@@ -64,23 +57,23 @@ TEST(Convert, Fp16WideningMatchesTheCompilerForAll65536) {
     const float got = moegrad::f16_bits_to_f32(static_cast<uint16_t>(h));
     if (std::isnan(want)) {
       ASSERT_TRUE(std::isnan(got)) << std::hex << h;
-      EXPECT_EQ(bits(got) & 0x80000000u, bits(want) & 0x80000000u) << std::hex << h;
+      EXPECT_EQ(fbits(got) & 0x80000000u, fbits(want) & 0x80000000u) << std::hex << h;
     } else {
-      ASSERT_EQ(bits(got), bits(want)) << std::hex << h;
+      ASSERT_EQ(fbits(got), fbits(want)) << std::hex << h;
     }
   }
 }
 
 TEST(Convert, Bf16WideningIsExactForAll65536) {
   for (uint32_t b = 0; b < 0x10000; ++b) {
-    ASSERT_EQ(bits(moegrad::bf16_bits_to_f32(static_cast<uint16_t>(b))), b << 16) << std::hex << b;
+    ASSERT_EQ(fbits(moegrad::bf16_bits_to_f32(static_cast<uint16_t>(b))), b << 16) << std::hex << b;
   }
 }
 
 TEST(Convert, Fp16NarrowingMatchesTheCompiler) {
   int64_t n = 0;
   for (uint32_t u : moegrad_test::narrowing_inputs()) {
-    const float f = from_bits(u);
+    const float f = ffrom(u);
     const uint16_t want = half_bits(static_cast<_Float16>(f));
     const uint16_t got = moegrad::f32_to_f16_bits(f);
     if (std::isnan(f)) {
@@ -97,7 +90,7 @@ TEST(Convert, Fp16NarrowingMatchesTheCompiler) {
 
 TEST(Convert, Bf16NarrowingIsRoundToNearestEven) {
   for (uint32_t u : moegrad_test::narrowing_inputs()) {
-    const float f = from_bits(u);
+    const float f = ffrom(u);
     const uint16_t got = moegrad::f32_to_bf16_bits(f);
     if (std::isnan(f)) {
       ASSERT_TRUE(std::isnan(moegrad::bf16_bits_to_f32(got))) << std::hex << u;

@@ -52,6 +52,8 @@ HWY_AFTER_NAMESPACE();
 #include <cstring>
 
 #include "hwy/aligned_allocator.h"
+#include "convert_inputs.h"
+#include "hwy_targets.h"
 #include "ops/swiglu/fp8.h"
 
 namespace moegrad {
@@ -60,16 +62,8 @@ HWY_EXPORT(Encode);
 
 namespace {
 
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using moegrad_test::fbits;
+using moegrad_test::ffrom;
 
 // Low 12 bits that decide the rounding of every FP8 result (the round bit is bit 19 or higher).
 constexpr uint32_t kLow[] = {0x000, 0x001, 0x002, 0x7ff, 0x800, 0x801, 0xfff, 0x555, 0xaaa};
@@ -78,7 +72,7 @@ std::vector<float> class_inputs() {
   std::vector<float> v;
   v.reserve((size_t{1} << 20) * std::size(kLow));
   for (uint32_t hi = 0; hi < (1u << 20); ++hi) {
-    for (uint32_t lo : kLow) v.push_back(from_bits((hi << 12) | lo));
+    for (uint32_t lo : kLow) v.push_back(ffrom((hi << 12) | lo));
   }
   return v;
 }
@@ -87,17 +81,7 @@ uint8_t ref(bool e5m2, float q) {
   return e5m2 ? moegrad::quant_detail::to_e5m2(q) : moegrad::quant_detail::to_e4m3fn(q);
 }
 
-template <typename F>
-void for_each_target(F&& f) {
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
-  for (int64_t t : targets) {
-    hwy::SetSupportedTargetsForTest(t);
-    SCOPED_TRACE(hwy::TargetName(t));
-    f(t);
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
+using moegrad_test::for_each_target;
 
 // Encodes v (times inv) on every target and compares each code with the scalar encoder's.
 void check(bool e5m2, const std::vector<float>& v, int64_t block, float inv, bool stream,
@@ -112,8 +96,8 @@ void check(bool e5m2, const std::vector<float>& v, int64_t block, float inv, boo
                                           inv, stream, out);
     for (size_t i = 0; i < v.size(); ++i) {
       ASSERT_EQ(static_cast<int>(out[i]), static_cast<int>(want[i]))
-          << (e5m2 ? "e5m2" : "e4m3fn") << " input bits 0x" << std::hex << bits(v[i])
-          << " times 0x" << bits(inv) << " (element " << std::dec << i << ", block " << block
+          << (e5m2 ? "e5m2" : "e4m3fn") << " input bits 0x" << std::hex << fbits(v[i])
+          << " times 0x" << fbits(inv) << " (element " << std::dec << i << ", block " << block
           << ", stream " << stream << ", misalign " << misalign << ")";
     }
   });
@@ -145,7 +129,7 @@ void check_scaled(bool e5m2) {
   }
   // power-of-two scales 2^k: multipliers 2^-k (round_scale; MX e8m0 codes 127 + k).
   for (int k : {-20, -9, -3, 0, 1, 7, 15, 30}) {
-    const float inv = from_bits(static_cast<uint32_t>(127 - k) << 23);
+    const float inv = ffrom(static_cast<uint32_t>(127 - k) << 23);
     check(e5m2, v, 128, inv, k % 2 == 0, 0);
     check(e5m2, v, 32, inv, true, 0);
     check(e5m2, v, 32, inv, true, 3);   // unaligned codes: the plain stores
@@ -166,7 +150,7 @@ TEST(Fp8Encode, ScalarReferenceKnownCodes) {
   EXPECT_EQ(to_e4m3fn(448.0f), 0x7e);
   EXPECT_EQ(to_e4m3fn(-448.0f), 0xfe);
   EXPECT_EQ(to_e4m3fn(464.0f), 0x7e);  // a tie between 448 and 480: even
-  EXPECT_EQ(to_e4m3fn(from_bits(bits(464.0f) + 1)), 0x7f);
+  EXPECT_EQ(to_e4m3fn(ffrom(fbits(464.0f) + 1)), 0x7f);
   EXPECT_EQ(to_e4m3fn(1e30f), 0x7f);
   EXPECT_EQ(to_e4m3fn(-std::numeric_limits<float>::infinity()), 0xff);
   EXPECT_EQ(to_e4m3fn(std::numeric_limits<float>::quiet_NaN()), 0x7f);

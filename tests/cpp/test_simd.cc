@@ -148,6 +148,7 @@ HWY_AFTER_NAMESPACE();
 #include <map>
 
 #include "convert_inputs.h"
+#include "hwy_targets.h"
 #include "core/convert.h"
 
 namespace moegrad {
@@ -165,18 +166,7 @@ namespace {
 using moegrad_test::fbits;
 using moegrad_test::ffrom;
 
-// Runs f(target) once per compiled target the CPU supports, with dispatch pinned to it.
-template <typename F>
-void for_each_target(F&& f) {
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
-  for (int64_t t : targets) {
-    hwy::SetSupportedTargetsForTest(t);
-    SCOPED_TRACE(hwy::TargetName(t));
-    f(t);
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
+using moegrad_test::for_each_target;
 
 // The bf16 instruction switch as the tests leave it: on only where the CPU has the instruction.
 struct Bf16Switch {
