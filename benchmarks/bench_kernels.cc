@@ -242,6 +242,18 @@ void fill_perm(Tensor* t, Rng& r) {
   for (int64_t i = n - 1; i > 0; --i) std::swap(p[i], p[r.next() % static_cast<uint64_t>(i + 1)]);
 }
 
+// SwiGLU inputs of both SwiGLU benchmarks: x in the model's clamp range, weights in [0, 1), and
+// a random split of the rows over the E groups.
+void fill_swiglu_inputs(Tensor* x, Tensor* w, Tensor* gi, Rng& r, const Model& m) {
+  x->fill_uniform(r, m.clamp > 0 ? -9.f : -4.f, m.clamp > 0 ? 9.f : 4.f);
+  w->fill_uniform(r, 0.f, 1.f);
+  int64_t* g = gi->buf.as<int64_t>();
+  std::fill(g, g + gi->numel(), int64_t{0});
+  for (int64_t i = 0; i < x->view.shape[0]; ++i) {
+    ++g[r.next() % static_cast<uint64_t>(gi->numel())];
+  }
+}
+
 std::unique_ptr<Set> make_set(Op op, const Model& m, DType dt, int64_t T, uint64_t seed) {
   auto s = std::make_unique<Set>();
   Rng r(seed);
@@ -337,11 +349,7 @@ std::unique_ptr<Set> make_set(Op op, const Model& m, DType dt, int64_t T, uint64
       Tensor* x = s->add(dt, {Tk, 2 * F});
       Tensor* w = s->add(DType::kFloat32, {Tk});
       Tensor* gi = s->add(DType::kInt64, {E});
-      x->fill_uniform(r, m.clamp > 0 ? -9.f : -4.f, m.clamp > 0 ? 9.f : 4.f);
-      w->fill_uniform(r, 0.f, 1.f);
-      int64_t* g = gi->buf.as<int64_t>();
-      std::fill(g, g + E, int64_t{0});
-      for (int64_t i = 0; i < Tk; ++i) ++g[r.next() % static_cast<uint64_t>(E)];
+      fill_swiglu_inputs(x, w, gi, r, m);
       Tensor* y = s->add(DType::kFloat8E4M3FN, {Tk, F});
       Tensor* ys = s->add(DType::kFloat32, {Tk, (F + 127) / 128});
       moegrad::SwigluQuantAttrs a;
@@ -358,11 +366,7 @@ std::unique_ptr<Set> make_set(Op op, const Model& m, DType dt, int64_t T, uint64
       Tensor* w = s->add(DType::kFloat32, {Tk});
       Tensor* yo = grad ? s->add(dt, {Tk, F}) : nullptr;
       Tensor* gi = s->add(DType::kInt64, {E});
-      x->fill_uniform(r, m.clamp > 0 ? -9.f : -4.f, m.clamp > 0 ? 9.f : 4.f);
-      w->fill_uniform(r, 0.f, 1.f);
-      int64_t* g = gi->buf.as<int64_t>();
-      std::fill(g, g + E, int64_t{0});
-      for (int64_t i = 0; i < Tk; ++i) ++g[r.next() % static_cast<uint64_t>(E)];
+      fill_swiglu_inputs(x, w, gi, r, m);
       moegrad::SwigluAttrs a;
       a.clamp_limit = m.clamp;
       if (!grad) {
