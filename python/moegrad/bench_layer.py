@@ -81,9 +81,9 @@ _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
 def _in_step_split(fn: Callable[[], None], reps: int, router_shapes) -> Dict[str, float]:
     """CPU: the expert GEMMs' own time inside the real step, from the profiler (self CPU time of
     every GEMM op, the router's three GEMMs excepted: their operand shapes are router_shapes),
-    and the rest of the step (its wall time minus that), medians over reps profiled steps."""
+    and the rest of the step (its wall time minus that), medians over reps profiled steps.
+    fn is already warm (run_config times it first)."""
     from torch.profiler import ProfilerActivity, profile
-    fn()
     gemm, rest, walls = [], [], []
     for _ in range(reps):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
