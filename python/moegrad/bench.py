@@ -78,7 +78,12 @@ OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
        "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
        "swiglu_group_quant", "moe_init_routing", "moe_init_routing_grad")
 BACKWARD_OPS = ("moe_gating_top_k_backward", "moe_finalize_routing_grad",
-                "swiglu_group_quant_backward")
+                "swiglu_group_quant_backward", "moe_init_routing_grad")
+# Targets (docs/performance.md "Targets"): every case at TARGET_TOKENS tokens, 2 threads.
+TARGET_TOKENS = 4096
+TARGET_ROOF = 0.70                        # of the copy bandwidth; not for ROOF_EXEMPT
+ROOF_EXEMPT = ("moe_gating_top_k",)       # compute-bound: reported in ns per token instead
+TARGET_EAGER_BWD, TARGET_COMPILE_BWD, TARGET_COMPILE_FWD = 4.0, 1.5, 1.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FULL_TOKENS = (1, 16, 256, 1024, 4096, 16384)
 MAX_SETS = 4096               # rotation cap (tiny cases stay warm; see module docstring)
@@ -871,6 +876,50 @@ def summarize(records: List[dict]) -> List[dict]:
     return rows
 
 
+def target_checks(r: dict) -> Dict[str, Optional[bool]]:
+    """Which targets a T = TARGET_TOKENS record meets (None: not applicable or not measured)."""
+    bwd = r["op"] in BACKWARD_OPS
+    cmp_ = r.get("speedup_compile")
+    return dict(
+        roofline=None if r["op"] in ROOF_EXEMPT else r["roofline_frac"] >= TARGET_ROOF,
+        eager=(r["speedup_eager"] >= TARGET_EAGER_BWD) if bwd else None,
+        compile=None if cmp_ is None else cmp_ >= (TARGET_COMPILE_BWD if bwd
+                                                   else TARGET_COMPILE_FWD))
+
+
+def targets_markdown(records: List[dict]) -> str:
+    """One row per case at TARGET_TOKENS: each target's figure and whether it is met."""
+    rows = [r for r in records if r["shape"]["T"] == TARGET_TOKENS]
+    if not rows:
+        return ""
+    lines = [f"Targets at T = {TARGET_TOKENS} (roofline ≥ {TARGET_ROOF:.2f} of the copy "
+             f"bandwidth, the gating top-k forward exempt; backward ≥ {TARGET_EAGER_BWD:g}× "
+             f"eager and ≥ {TARGET_COMPILE_BWD:g}× compile; forward ≥ {TARGET_COMPILE_FWD:g}× "
+             "compile); ✗ marks a miss:", "",
+             "| op | model | dtype | kernel GB/s | copy GB/s | roofline | vs eager | vs compile "
+             "|", "|---|---|---|---:|---:|---:|---:|---:|"]
+    met = total = 0
+    for r in rows:
+        t = target_checks(r)
+        met += sum(v is True for v in t.values())
+        total += sum(v is not None for v in t.values())
+
+        def cell(text, ok):
+            return text if ok is None or ok else f"{text} ✗"
+        if r["op"] in ROOF_EXEMPT:
+            roof = f"exempt ({1e6 * r['ms_kernel'] / r['shape']['T']:.0f} ns/token)"
+        else:
+            roof = cell(f"{r['roofline_frac']:.2f}", t["roofline"])
+        cmp_ = r.get("speedup_compile")
+        eag = cell(f"{r['speedup_eager']:.1f}×", t["eager"])
+        cmp_txt = "–" if cmp_ is None else cell(f"{cmp_:.1f}×", t["compile"])
+        low = "*" if r.get("copy_low") else ""
+        lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['gbps']:.1f} | "
+                     f"{r['copy_gbps']:.1f}{low} | {roof} | {eag} | {cmp_txt} |")
+    lines += ["", f"{met} of {total} target checks met."]
+    return "\n".join(lines) + "\n"
+
+
 def print_summary(rows: List[dict]) -> None:
     print("\nlargest case per op and dtype (targets for backward ops at large shapes, 2 threads: "
           "roof >= 0.70, >= 4x eager, >= 1.5x compile):")
@@ -985,6 +1034,9 @@ def markdown_table(meta: dict, records: List[dict]) -> str:
                      f"{x(r['speedup_eager'])} | {x(r['speedup_compile'])} | "
                      f"{ms(r.get('ms_moegrad'))} | {ms(r.get('ms_kernel'))} | "
                      f"{ms(r.get('ms_compile'))} |")
+    targets = targets_markdown(records)
+    if targets:
+        lines += ["", targets.rstrip("\n")]
     lines += ["", "All cases (ms are medians; moegrad = public op, kernel = native call into "
               "preallocated outputs; GB/s and roofline from kernel; speedups against moegrad):",
               "", "| op | model | dtype | T | MB | moegrad ms | kernel ms | eager ms | compile ms "

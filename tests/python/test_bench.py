@@ -380,3 +380,27 @@ def test_bench_overhead_mode_records_every_op(tmp_path, seed):
         assert r["tokens"] == 16 and r["model"] == "gpt_oss"
         for v in bench.OVERHEAD_VARIANTS:
             assert math.isfinite(r[f"us_{v}"]) and r[f"us_{v}"] > 0, (r["op"], v)
+
+
+def test_target_checks_follow_the_issue_targets():
+    """Backward ops: roofline, 4x eager, 1.5x compile; forward: roofline, 1x compile; the gating
+    top-k forward has no roofline target; a record without compile has no compile check."""
+    def rec(op, roof, eag, cmp_):
+        return dict(op=op, model="m", dtype="bf16", shape=dict(T=bench.TARGET_TOKENS),
+                    roofline_frac=roof, speedup_eager=eag, speedup_compile=cmp_, gbps=1.0,
+                    copy_gbps=2.0, ms_kernel=1.0)
+
+    tc = bench.target_checks
+    assert tc(rec("moe_init_routing_grad", 0.71, 4.1, 1.49)) == dict(
+        roofline=True, eager=True, compile=False)
+    assert tc(rec("moe_finalize_routing_grad", 0.69, 3.9, 1.5)) == dict(
+        roofline=False, eager=False, compile=True)
+    assert tc(rec("swiglu_group", 0.70, 0.5, 1.0)) == dict(roofline=True, eager=None,
+                                                             compile=True)
+    assert tc(rec("moe_init_routing", 0.9, 9.0, 0.99)) == dict(roofline=True, eager=None,
+                                                                compile=False)
+    assert tc(rec("moe_gating_top_k", 0.01, 1.0, None)) == dict(roofline=None, eager=None,
+                                                                 compile=None)
+    md = bench.targets_markdown([rec("moe_init_routing_grad", 0.71, 4.1, 1.49),
+                                 rec("moe_gating_top_k", 0.01, 1.0, None)])
+    assert "1.5× ✗" in md and "exempt" in md and "2 of 3 target checks met." in md
