@@ -35,12 +35,24 @@ HWY_INLINE const T* grad_src(const InitRoutingGradPlan& p, const int32_t* idx, c
   return (d < 0 || d >= p.rows) ? nullptr : g + d * p.H;
 }
 
+// Whether the init routing grad prefetches its gathered rows in software: not when K rows of
+// fp32 (K >= 8; 16-bit rows from K >= 16) are read at once, whole lines per vector. Measured
+// (1 and 2 threads, T = 4096): DeepSeek-V3 fp32 (K = 8, 28 KB rows) 1.2-1.3x faster without,
+// GPT-OSS fp32 (K = 4) and DeepSeek-V3 bf16/fp16 (K = 8) 1.1-1.6x faster with it; most likely
+// the hardware prefetchers already keep enough lines in flight for 8 full-line streams and the
+// software prefetches compete with them for the miss buffers (docs/decisions.md L114).
+template <typename T>
+HWY_INLINE bool grad_prefetch(int64_t K) {
+  return K * static_cast<int64_t>(sizeof(T)) < 32;
+}
+
 // U vectors of token row r at column j (kTail: one vector of n < Lanes elements): +0 plus the
-// valid slots' rows in k order, in fp32. Prefetches ahead in each gathered row and, near its
-// end, the start of the next token's row of the same slot.
+// valid slots' rows in k order, in fp32. With prefetch: prefetches ahead in each gathered row
+// and, near its end, the start of the next token's row of the same slot.
 template <size_t U, bool kTail, typename T>
 HWY_INLINE void grad_block(DF d, const InitRoutingGradPlan& p, const int32_t* idx, const T* g,
-                           int64_t r, bool has_next, size_t j, size_t n, VF* acc) {
+                           int64_t r, bool prefetch, bool has_next, size_t j, size_t n,
+                           VF* acc) {
   const size_t L = hn::Lanes(d);
   const int64_t K = p.K;
   const size_t row_bytes = static_cast<size_t>(p.H) * sizeof(T);
@@ -48,9 +60,11 @@ HWY_INLINE void grad_block(DF d, const InitRoutingGradPlan& p, const int32_t* id
   for (int64_t k = 0; k < K; ++k) {
     const T* src = grad_src(p, idx, g, r * K + k);
     if (!src) continue;
-    const T* next = has_next ? grad_src(p, idx, g, (r + 1) * K + k) : nullptr;
-    for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
-      rows::PrefetchAhead(src, next, row_bytes, j * sizeof(T) + off);
+    if (prefetch) {
+      const T* next = has_next ? grad_src(p, idx, g, (r + 1) * K + k) : nullptr;
+      for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
+        rows::PrefetchAhead(src, next, row_bytes, j * sizeof(T) + off);
+      }
     }
     for (size_t u = 0; u < U; ++u) {
       const VF v = kTail ? LoadFN(d, src + j, n) : LoadF(d, src + j + u * L);
@@ -66,10 +80,12 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
   const T* g = typed<T>(p.grad_expanded_x);
   T* out = typed<T>(p.grad_x);
   const bool nt = stream_output(mul_sat(p.R, p.H * static_cast<int64_t>(sizeof(T))));
+  const bool prefetch = grad_prefetch<T>(p.K);
   for (int64_t r = begin; r < end; ++r) {
     const bool has_next = r + 1 < end;
     rows::WriteRow(d, out + r * p.H, H, nt, [&](auto U, auto tail, size_t j, size_t n, VF* acc) {
-      grad_block<decltype(U)::value, decltype(tail)::value>(d, p, idx, g, r, has_next, j, n, acc);
+      grad_block<decltype(U)::value, decltype(tail)::value>(d, p, idx, g, r, prefetch, has_next, j, n,
+                                                            acc);
     });
   }
   hwy::FlushStream();
