@@ -133,12 +133,10 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
       // amax over the finite values (masked for the lanes past n), block by block (no division
       // per vector); a second one encodes.
       const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
-      // bf16/fp16 outputs: the shorter sigmoid (docs/decisions.md L96).
+      // bf16/fp16 outputs: the cheaper sigmoid (docs/decisions.md L96, L105).
       constexpr bool kSixteen = !std::is_same_v<T, float>;
       auto f = [&](VF va, VF vb) {
-        va = clamp.gate(va);
-        vb = clamp.up(vb);
-        return hn::Mul(hn::Mul(hn::Mul(va, SigmoidT<kSixteen>(d, va)), vb), vw);
+        return SwigluValue<kSixteen>(d, clamp.gate(va), clamp.up(vb), vw);
       };
       const size_t Bs = static_cast<size_t>(B);
       // Stores one vector of values and returns the running amax of its block's finite values
