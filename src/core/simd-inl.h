@@ -418,16 +418,17 @@ HWY_INLINE VF SigmoidT(DF d, VF x) {
 HWY_INLINE VF Sigmoid(DF d, VF x) { return SigmoidT<false>(d, x); }
 HWY_INLINE VF Sigmoid16(DF d, VF x) { return SigmoidT<true>(d, x); }
 
-// p * sigmoid(x) for the SwiGLU forward with bf16/fp16 data (docs/decisions.md L105). On
-// AVX-512, 13 instructions: e = exp(-|x|) (|x| clamped at 104; x's NaN comes through p) from
-// m = round(-|x| / ln 2) to a multiple of 1/32 (the 1.5 * 2^18 trick), r = -|x| - m ln 2 in one
-// FMA (|r| <= ln 2 / 64), 2^(m - floor(m)) from a 32-entry table (VPERMT2PS on the low 5 bits
-// of the rounded sum), e^r by 1 + c1 r + c2 r^2 (fitted here for relative error on that range:
-// 5.3e-8 before float rounding), times 2^floor(m) with VSCALEFPS (denormal results included);
-// then p / (1 + e) for x >= 0 and p e / (1 + e) for x < 0 (sign bit, so -0 too), one correctly
-// rounded division (VDIVPS: faster here than VRCP14PS with its Newton step, which is needed:
-// the 2^-14 error of VRCP14PS alone takes results across the output rounding, outside the
-// tolerances). Elsewhere p * Sigmoid16(x).
+// p * sigmoid(x) for the SwiGLU forward with bf16/fp16 data, which calls it with p = x for
+// silu(x) (docs/decisions.md L105). On AVX-512, 13 instructions: e = exp(-|x|) (|x| clamped at
+// 104; x's NaN comes through p) from m = round(-|x| / ln 2) to a multiple of 1/32 (the
+// 1.5 * 2^18 trick), r = -|x| - m ln 2 in one FMA (|r| <= ln 2 / 64), 2^(m - floor(m)) from a
+// 32-entry table (VPERMT2PS on the low 5 bits of the rounded sum), e^r by 1 + c1 r + c2 r^2
+// (fitted here for relative error on that range: 5.3e-8 before float rounding), times
+// 2^floor(m) with VSCALEFPS (denormal results included); then p / (1 + e) for x >= 0 and
+// p e / (1 + e) for x < 0 (sign bit, so -0 too), one correctly rounded division (VDIVPS: faster
+// here than VRCP14PS with its Newton step, which is needed: the 2^-14 error of VRCP14PS alone
+// takes results across the output rounding, outside the tolerances). Elsewhere
+// p * Sigmoid16(x).
 #if MOEGRAD_SIMD_AVX512
 alignas(64) inline constexpr float kExp2Frac32[32] = {  // 2^(j / 32), rounded to fp32
     1.0f,        1.0218972f,  1.04427373f, 1.06714046f, 1.09050775f, 1.1143868f,  1.13878858f,

@@ -51,12 +51,13 @@ struct SwigluClamp {
 };
 
 // The forward value silu(a) * b * w of one vector (after the clamp). kSixteen (bf16/fp16 data):
-// on AVX-512 the sigmoid of MulSigmoid16 applied to a * b * w (docs/decisions.md L105), elsewhere
-// the shorter sigmoid of L96; fp32 keeps the sigmoid of L71.
+// on AVX-512 silu(a) = MulSigmoid16(a, a) (docs/decisions.md L105), elsewhere with the shorter
+// sigmoid of L96; fp32 keeps the sigmoid of L71. silu(a) first, as in the reference: a * b * w
+// can overflow where the result does not (a large and negative).
 template <bool kSixteen>
 HWY_INLINE VF SwigluValue(DF d, VF a, VF b, VF w) {
 #if MOEGRAD_SIMD_AVX512
-  if constexpr (kSixteen) return MulSigmoid16(d, a, hn::Mul(hn::Mul(a, b), w));
+  if constexpr (kSixteen) return hn::Mul(hn::Mul(MulSigmoid16(d, a, a), b), w);
 #endif
   return hn::Mul(hn::Mul(hn::Mul(a, SigmoidT<kSixteen>(d, a)), b), w);
 }
