@@ -140,11 +140,13 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
       };
       const size_t Bs = static_cast<size_t>(B);
       // Stores one vector of values and returns the running amax of its block's finite values
-      // (lanes past n masked).
-      auto step = [&](VF vmax, VF v, size_t i) {
+      // (with kTail, lanes past n masked; the vectors read from memory are whole).
+      auto step = [&](VF vmax, VF v, size_t i, auto tail) {
         hn::Store(v, d, o + i);
         VF av = hn::Abs(v);
-        if (i + N > n) av = hn::IfThenElseZero(hn::FirstN(d, n - i), av);
+        if constexpr (decltype(tail)::value) {
+          if (i + N > n) av = hn::IfThenElseZero(hn::FirstN(d, n - i), av);
+        }
         return hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);  // finite values only
       };
       // Whole vectors come straight from memory; the rest (the tail, or every element of a
@@ -165,10 +167,13 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
         size_t i = j;
         if constexpr (InRegister<T>::value) {
           for (; i < jv; i += N) {
-            vmax = step(vmax, f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i);
+            vmax = step(vmax, f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i,
+                        std::false_type{});
           }
         }
-        for (; i < jend; i += N) vmax = step(vmax, f(hn::Load(d, a + i), hn::Load(d, b + i)), i);
+        for (; i < jend; i += N) {
+          vmax = step(vmax, f(hn::Load(d, a + i), hn::Load(d, b + i)), i, std::true_type{});
+        }
 #if MOEGRAD_SIMD_AVX512
         if (tree) {
           hn::Store(vmax, d, bmax + 16 * k);
