@@ -56,9 +56,9 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
     (a gradient reaching norm_out is included).
     Errors: MoeError 161001/161002 (null, dtype), 561002 (shapes, attributes).
     """
-    return torch.ops.moegrad.moe_gating_top_k(x, k, bias, k_group, group_count,
-                                              group_select_mode, renorm, norm_type, out_flag,
-                                              routed_scaling_factor, eps)
+    return _ops.moe_gating_top_k(x, k, bias, k_group, group_count,
+                                 group_select_mode, renorm, norm_type, out_flag,
+                                 routed_scaling_factor, eps)
 
 
 def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
@@ -72,8 +72,8 @@ def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor
     float16/bfloat16; expert_idx: [M, K] int32 (int64 accepted) in [0, N), repeats summed.
     Returns grad_x [M, N] in grad_y's dtype. Errors: MoeError 161002 for every rule.
     """
-    return torch.ops.moegrad.moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm,
-                                                       norm_type, routed_scaling_factor, eps)
+    return _ops.moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm,
+                                          norm_type, routed_scaling_factor, eps)
 
 
 def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
@@ -92,8 +92,8 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
     Errors: MoeError 161001/161002, 561103 (shapes, index values).
     """
-    return torch.ops.moegrad.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
-                                                  scales, expert_idx, drop_pad_mode, k)
+    return _ops.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias,
+                                     scales, expert_idx, drop_pad_mode, k)
 
 
 def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
@@ -111,9 +111,9 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
     * grad_y (bias-only for skipped slots); (R, 1) zeros in grad_y's dtype without scales.
     Errors: MoeError 161001/161002, 561103.
     """
-    return torch.ops.moegrad.moe_finalize_routing_grad(grad_y, expanded_row_idx, expanded_x,
-                                                       scales, expert_idx, bias, drop_pad_mode,
-                                                       active_num, expert_num, expert_capacity)
+    return _ops.moe_finalize_routing_grad(grad_y, expanded_row_idx, expanded_x,
+                                          scales, expert_idx, bias, drop_pad_mode,
+                                          active_num, expert_num, expert_capacity)
 
 
 def swiglu_group(x: Tensor, weight: Optional[Tensor] = None, group_index: Optional[Tensor] = None,
@@ -126,7 +126,7 @@ def swiglu_group(x: Tensor, weight: Optional[Tensor] = None, group_index: Option
     elements (T = product of leading dims; [T], [T, 1], [B, S] ...). Returns [..., H] x.dtype.
     Differentiable w.r.t. x and weight. Errors: MoeError 161001/161002, 561002.
     """
-    return torch.ops.moegrad.swiglu_group(x, weight, group_index, clamp_limit)
+    return _ops.swiglu_group(x, weight, group_index, clamp_limit)
 
 
 def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor] = None,
@@ -141,8 +141,8 @@ def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tens
     tensor without weight). Rows past sum(group_index) are zero. Errors: MoeError 161001/
     161002, 561002.
     """
-    return torch.ops.moegrad.swiglu_group_quant_backward(grad_y, x, weight, y_origin,
-                                                         group_index, clamp_limit)
+    return _ops.swiglu_group_quant_backward(grad_y, x, weight, y_origin,
+                                            group_index, clamp_limit)
 
 
 _DST_TYPES = {torch.float8_e4m3fn: 292, torch.float8_e5m2: 291}
@@ -171,9 +171,9 @@ def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
             raise MoeError(f"swiglu_group_quant: dst_type: must be torch.float8_e4m3fn or "
                            f"torch.float8_e5m2; got {dst_type}", 161002)
         dst_type = _DST_TYPES[dst_type]
-    return torch.ops.moegrad.swiglu_group_quant(x, weight, group_index, scale, int(dst_type),
-                                                quant_mode, block_size, round_scale,
-                                                clamp_limit, dst_type_max, output_origin)
+    return _ops.swiglu_group_quant(x, weight, group_index, scale, int(dst_type),
+                                   quant_mode, block_size, round_scale,
+                                   clamp_limit, dst_type_max, output_origin)
 
 
 def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
@@ -202,9 +202,9 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
     Errors: MoeError 161001/161002, 561103 (shapes, attributes, expert ids).
     """
     rng = None if active_expert_range is None else [int(v) for v in active_expert_range]
-    return torch.ops.moegrad.moe_init_routing(x, expert_idx, active_num, expert_capacity,
-                                              expert_num, drop_pad_mode, expert_tokens_num_type,
-                                              expert_tokens_num_flag, rng, row_idx_type)
+    return _ops.moe_init_routing(x, expert_idx, active_num, expert_capacity,
+                                 expert_num, drop_pad_mode, expert_tokens_num_type,
+                                 expert_tokens_num_flag, rng, row_idx_type)
 
 
 def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
@@ -216,8 +216,8 @@ def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top
     grad_x [R, H]: per token the fp32 sum, in k order, of its rows; -1 and rows >= rows are
     skipped. Errors: MoeError 161001/161002, 561103.
     """
-    return torch.ops.moegrad.moe_init_routing_grad(grad_expanded_x, expanded_row_idx, top_k,
-                                                   drop_pad_mode, active_num)
+    return _ops.moe_init_routing_grad(grad_expanded_x, expanded_row_idx, top_k,
+                                      drop_pad_mode, active_num)
 
 
 def set_num_threads(n: int) -> None:

@@ -88,6 +88,12 @@ class _Op:
         self.__doc__ = fn.__doc__
 
     def __call__(self, *args, **kwargs):
+        # Plain eager call with nothing for the dispatcher to do: run the body directly (L104).
+        if _direct_ok(args, kwargs):
+            try:
+                return self._init_fn(*args, **kwargs)
+            except (TypeError, AttributeError):
+                pass  # a malformed argument: let the dispatcher's schema check report it
         return self._packet(*args, **kwargs)
 
     def register_fake(self, fn):
@@ -99,6 +105,36 @@ class _Op:
         torch.library.register_autograd(self._qualname, backward, setup_context=setup_context,
                                         lib=_LIB)
         self._backward_fn, self._setup_context_fn = backward, setup_context
+
+
+_PLAIN = (int, float, bool, str, type(None), list, tuple)
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+
+
+def _direct_ok(args, kwargs) -> bool:
+    """True when a call through the dispatcher would only run the op's body (L104): no
+    torch.compile / jit tracing, no dispatch or torch-function mode, no functorch transform, no
+    profiler (which records the op by name), every tensor a plain, strided, non-meta
+    torch.Tensor that needs no gradient (or grad mode off), every other argument a plain
+    Python value. The dispatcher's
+    own work for such a call (boxing the arguments twice, the autograd kernel's redispatch) is
+    about 5-8 us, as much as the whole op at T=16."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch.autograd._profiler_enabled() or torch.jit.is_tracing()):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in (*args, *kwargs.values()):
+        if type(a) is _Tensor:
+            # meta tensors go to the fake kernel (its device error); nested and sparse ones to
+            # the dispatcher's missing-kernel error
+            if (grad and a.requires_grad) or a.is_meta or a.layout is not _STRIDED:
+                return False
+        elif not isinstance(a, _PLAIN):
+            return False
+    return True
 
 
 def _op(qualname: str):

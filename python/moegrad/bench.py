@@ -17,13 +17,17 @@ Method (details in docs/performance.md):
   ``ms_moegrad`` the public function (``moegrad.<op>``: custom-op dispatch, output allocation,
   the kernel); ``ms_kernel`` the native call ``moegrad._C.<op>`` into preallocated, rotating
   outputs; ``ms_eager`` the plain-PyTorch formula of ``moegrad.reference_torch``;
-  ``ms_compile`` ``torch.compile`` (inductor, static shapes) of that same formula.
+  ``ms_compile`` ``torch.compile`` (inductor, static shapes) of that same formula. The four
+  are interleaved in rounds with copy-bandwidth samples (``time_interleaved``), so every ratio
+  of a record compares numbers taken in the same window of time.
 * ``bytes``: each input read once plus each output written once (BYTES table below).
-  ``gbps`` = bytes / ms_kernel, ``roofline_frac`` = gbps / copy bandwidth, where the copy
-  bandwidth is ``Tensor.copy_`` of a large buffer (4 x LLC, at least 128 MB) on the same
-  threads, counted as 2 x size (read + write), sampled right before and right after each case
-  (the larger of the two is the record's ``copy_gbps``; the run's start and end values are in
-  ``meta``).
+  ``gbps`` = bytes / ms_kernel, ``roofline_frac`` = gbps / ``copy_gbps``, the median of the
+  case's copy samples: ``Tensor.copy_`` of a 128 MB buffer (at least 4 x LLC) on the same
+  threads, counted as 2 x size (read + write). The VM's bandwidth has slow and fast phases
+  (42 to 80 GB/s on the development machine): cases whose window fell below 0.85 x the run's
+  reference (the 90th percentile of the cases' copy bandwidths) are measured again at the end of
+  the run, up to twice, and the attempt with the highest copy bandwidth is kept
+  (``attempts``, ``copy_low``; ``remeasure_low_copy``).
 * Before timing, each case is checked once: moegrad's outputs against the eager formula (and
   the compiled one against eager) with ``torch.testing.assert_close``; a mismatch is reported in
   the table and in the record's ``check`` field, and makes the exit status 1.
@@ -74,7 +78,12 @@ OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
        "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
        "swiglu_group_quant", "moe_init_routing", "moe_init_routing_grad")
 BACKWARD_OPS = ("moe_gating_top_k_backward", "moe_finalize_routing_grad",
-                "swiglu_group_quant_backward")
+                "swiglu_group_quant_backward", "moe_init_routing_grad")
+# Targets (docs/performance.md "Targets"): every case at TARGET_TOKENS tokens, 2 threads.
+TARGET_TOKENS = 4096
+TARGET_ROOF = 0.70                        # of the copy bandwidth; not for ROOF_EXEMPT
+ROOF_EXEMPT = ("moe_gating_top_k",)       # compute-bound: reported in ns per token instead
+TARGET_EAGER_BWD, TARGET_COMPILE_BWD, TARGET_COMPILE_FWD = 4.0, 1.5, 1.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FULL_TOKENS = (1, 16, 256, 1024, 4096, 16384)
 MAX_SETS = 4096               # rotation cap (tiny cases stay warm; see module docstring)
@@ -511,33 +520,62 @@ class Budget:
     warmup_calls: int = 3
 
 
-def time_calls(fns: Sequence[Callable[[], object]], budget: Budget) -> float:
-    """Median seconds per call, rotating through `fns` (one per buffer set).
+class _Method:
+    """Timing state of one method: its buffer-set calls, rotation index, call times."""
 
-    Warm-up: one pass over the sets (at most 64 calls, at least `warmup_calls`; fewer when a
-    call takes longer than the budget). Then calls until both `min_calls` (3 for calls slower
-    than the budget) and the time budget are reached, or `max_calls`."""
-    n = len(fns)
-    t0 = time.perf_counter()
-    fns[0]()
-    first = time.perf_counter() - t0
-    i = 1
-    slow = first > budget.seconds
-    warm = 1 if slow else max(budget.warmup_calls, min(n, 64))
-    for _ in range(warm - 1):
-        fns[i % n]()
-        i += 1
-    min_calls = 3 if slow else budget.min_calls
-    times: List[float] = []
-    start = time.perf_counter()
-    while len(times) < min_calls or (
-            len(times) < budget.max_calls and time.perf_counter() - start < budget.seconds):
-        f = fns[i % n]
-        i += 1
+    def __init__(self, fns: Sequence[Callable[[], object]], budget: Budget):
+        self.fns, self.i, self.times = list(fns), 0, []
+        t0 = time.perf_counter()
+        self.fns[0]()
+        first = time.perf_counter() - t0
+        self.i = 1
+        self.slow = first > budget.seconds
+        warm = 1 if self.slow else max(budget.warmup_calls, min(len(self.fns), 64))
+        for _ in range(warm - 1):
+            self.call()
+
+    def call(self) -> float:
+        f = self.fns[self.i % len(self.fns)]
+        self.i += 1
         t0 = time.perf_counter()
         f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return time.perf_counter() - t0
+
+
+def time_interleaved(methods: Dict[str, Sequence[Callable[[], object]]], budget: Budget,
+                     probe: Optional["CopyProbe"], rounds: int) -> Tuple[Dict[str, float],
+                                                                         List[float]]:
+    """Median seconds per call of every method, and copy-bandwidth samples, all taken in one
+    time window (the VM's memory bandwidth drifts by tens of percent within minutes, so numbers
+    that are divided by each other must be measured together).
+
+    Each method rotates through its list of calls (one per buffer set). Warm-up: one pass over
+    the sets (at most 64 calls, at least `warmup_calls`; one call when a call takes longer than
+    the budget). Then `rounds` rounds; a round takes one copy sample (when `probe` is given),
+    then gives every method in turn its share of the budget: calls until both
+    ceil(min_calls / rounds) (one for calls slower than the budget) and seconds / rounds are
+    reached, or max_calls / rounds. One more copy sample closes the window.
+    Returns ({name: median seconds}, [copy GB/s samples])."""
+    state = {name: _Method(fns, budget) for name, fns in methods.items()}
+    samples: List[float] = []
+    per_round_s = budget.seconds / rounds
+    for _ in range(rounds):
+        if probe is not None:
+            samples.append(probe.measure(reps=3))
+        for m in state.values():
+            need = 1 if m.slow else math.ceil(budget.min_calls / rounds)
+            cap = max(need, budget.max_calls // rounds)
+            start = time.perf_counter()
+            n = 0
+            while n < need or (n < cap and time.perf_counter() - start < per_round_s):
+                m.times.append(m.call())
+                n += 1
+    if probe is not None:
+        samples.append(probe.measure(reps=3))
+    for m in state.values():  # slow methods: at least 3 calls in all
+        while len(m.times) < 3:
+            m.times.append(m.call())
+    return {name: statistics.median(m.times) for name, m in state.items()}, samples
 
 
 def n_sets_for(nbytes: int, llc: int, max_sets: int) -> int:
@@ -571,19 +609,24 @@ def _fmt_x(v: Optional[float]) -> str:
 
 HEADER = (f"{'op':<28} {'model':<12} {'dt':<4} {'T':>6} {'shape':<30} {'MB':>8} "
           f"{'moegrad':>9} {'kernel':>9} {'eager':>9} {'compile':>9} {'GB/s':>6} "
-          f"{'roof':>5} {'vs eag':>7} {'vs cmp':>7}  check")
+          f"{'copy':>5} {'roof':>5} {'vs eag':>7} {'vs cmp':>7}  check")
 
 
 def format_row(r: dict) -> str:
     return (f"{r['op']:<28} {r['model']:<12} {r['dtype']:<4} {r['shape']['T']:>6} "
             f"{r['desc']:<30} {r['bytes'] / 1e6:>8.2f} {_fmt_ms(r['ms_moegrad']):>9} "
             f"{_fmt_ms(r['ms_kernel']):>9} {_fmt_ms(r['ms_eager']):>9} "
-            f"{_fmt_ms(r['ms_compile']):>9} {r['gbps']:>6.1f} {r['roofline_frac']:>5.2f} "
+            f"{_fmt_ms(r['ms_compile']):>9} {r['gbps']:>6.1f} {r['copy_gbps']:>5.1f} "
+            f"{r['roofline_frac']:>5.2f} "
             f"{_fmt_x(r['speedup_eager']):>7} {_fmt_x(r['speedup_compile']):>7}  {r['check']}")
 
 
 def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
-             do_compile: bool, budget: Budget) -> dict:
+             do_compile: bool, budget: Budget, probe: Optional["CopyProbe"] = None,
+             rounds: int = 1) -> dict:
+    """One case: build the buffer sets, check the outputs once, then time the public op, the
+    kernel, eager and compile interleaved with copy-bandwidth samples of `probe` (the record's
+    `copy_gbps` is their median; `copy_gbps` argument when no probe)."""
     g = torch.Generator().manual_seed(seed)
     base = case.make(g)
     actual = tensors_nbytes(base)
@@ -619,17 +662,19 @@ def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
             compiled = None
     del got, want
 
-    # ---- timing ----
-    ms_api = 1e3 * time_calls([functools.partial(api, *d.api_args, **d.api_kwargs)
-                               for d in sets], budget)
-    ms_kernel = 1e3 * time_calls([functools.partial(native, *d.native_args) for d in sets],
-                                 budget)
-    ms_eager = 1e3 * time_calls([functools.partial(eager, *d.ref_args, **d.ref_kwargs)
-                                 for d in sets], budget)
-    ms_compile = None
+    # ---- timing: every method and the copy bandwidth in one interleaved window ----
+    methods = {
+        "api": [functools.partial(api, *d.api_args, **d.api_kwargs) for d in sets],
+        "kernel": [functools.partial(native, *d.native_args) for d in sets],
+        "eager": [functools.partial(eager, *d.ref_args, **d.ref_kwargs) for d in sets],
+    }
     if compiled is not None:
-        ms_compile = 1e3 * time_calls([functools.partial(compiled, *d.ref_args, **d.ref_kwargs)
-                                       for d in sets], budget)
+        methods["compile"] = [functools.partial(compiled, *d.ref_args, **d.ref_kwargs)
+                              for d in sets]
+    med, samples = time_interleaved(methods, budget, probe, rounds)
+    ms_api, ms_kernel, ms_eager = (1e3 * med[k] for k in ("api", "kernel", "eager"))
+    ms_compile = 1e3 * med["compile"] if "compile" in med else None
+    copy_gbps = statistics.median(samples) if samples else copy_gbps
     gbps = case.bytes / (ms_kernel * 1e-3) / 1e9
     return dict(
         op=case.op, model=case.model, dtype=case.dtype, shape=case.dims, desc=case.desc,
@@ -637,7 +682,7 @@ def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
         ms_compile=ms_compile, gbps=gbps, gbps_api=case.bytes / (ms_api * 1e-3) / 1e9,
         roofline_frac=gbps / copy_gbps, speedup_eager=ms_eager / ms_api,
         speedup_compile=(ms_compile / ms_api) if ms_compile is not None else None,
-        threads=args.threads, copy_gbps=copy_gbps, n_sets=n_sets,
+        threads=args.threads, copy_gbps=copy_gbps, copy_samples=samples, n_sets=n_sets,
         cold=case.bytes * n_sets >= 2 * llc, check=check, check_compile=check_compile)
 
 
@@ -831,6 +876,50 @@ def summarize(records: List[dict]) -> List[dict]:
     return rows
 
 
+def target_checks(r: dict) -> Dict[str, Optional[bool]]:
+    """Which targets a T = TARGET_TOKENS record meets (None: not applicable or not measured)."""
+    bwd = r["op"] in BACKWARD_OPS
+    cmp_ = r.get("speedup_compile")
+    return dict(
+        roofline=None if r["op"] in ROOF_EXEMPT else r["roofline_frac"] >= TARGET_ROOF,
+        eager=(r["speedup_eager"] >= TARGET_EAGER_BWD) if bwd else None,
+        compile=None if cmp_ is None else cmp_ >= (TARGET_COMPILE_BWD if bwd
+                                                   else TARGET_COMPILE_FWD))
+
+
+def targets_markdown(records: List[dict]) -> str:
+    """One row per case at TARGET_TOKENS: each target's figure and whether it is met."""
+    rows = [r for r in records if r["shape"]["T"] == TARGET_TOKENS]
+    if not rows:
+        return ""
+    lines = [f"Targets at T = {TARGET_TOKENS} (roofline ≥ {TARGET_ROOF:.2f} of the copy "
+             f"bandwidth, the gating top-k forward exempt; backward ≥ {TARGET_EAGER_BWD:g}× "
+             f"eager and ≥ {TARGET_COMPILE_BWD:g}× compile; forward ≥ {TARGET_COMPILE_FWD:g}× "
+             "compile); ✗ marks a miss:", "",
+             "| op | model | dtype | kernel GB/s | copy GB/s | roofline | vs eager | vs compile "
+             "|", "|---|---|---|---:|---:|---:|---:|---:|"]
+    met = total = 0
+    for r in rows:
+        t = target_checks(r)
+        met += sum(v is True for v in t.values())
+        total += sum(v is not None for v in t.values())
+
+        def cell(text, ok):
+            return text if ok is None or ok else f"{text} ✗"
+        if r["op"] in ROOF_EXEMPT:
+            roof = f"exempt ({1e6 * r['ms_kernel'] / r['shape']['T']:.0f} ns/token)"
+        else:
+            roof = cell(f"{r['roofline_frac']:.2f}", t["roofline"])
+        cmp_ = r.get("speedup_compile")
+        eag = cell(f"{r['speedup_eager']:.1f}×", t["eager"])
+        cmp_txt = "–" if cmp_ is None else cell(f"{cmp_:.1f}×", t["compile"])
+        low = "*" if r.get("copy_low") else ""
+        lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['gbps']:.1f} | "
+                     f"{r['copy_gbps']:.1f}{low} | {roof} | {eag} | {cmp_txt} |")
+    lines += ["", f"{met} of {total} target checks met."]
+    return "\n".join(lines) + "\n"
+
+
 def print_summary(rows: List[dict]) -> None:
     print("\nlargest case per op and dtype (targets for backward ops at large shapes, 2 threads: "
           "roof >= 0.70, >= 4x eager, >= 1.5x compile):")
@@ -931,6 +1020,9 @@ def markdown_table(meta: dict, records: List[dict]) -> str:
              + ", ".join(f"{m['copy_gbps']:.1f} GB/s (start) / "
                          f"{(m.get('copy_gbps_end') or float('nan')):.1f} GB/s (end), "
                          f"run of {m['date']}" for m in runs)
+             + (f"; reference (90th percentile of the cases' windows) "
+                f"{meta['copy_gbps_reference']:.1f} GB/s" if meta.get("copy_gbps_reference")
+                else "")
              + f"; torch {meta['torch']}, moegrad {meta['moegrad']}.", "",
              "Largest case run per operator and dtype:", "",
              "| op | dtype | model | T | MB | roofline | vs eager | vs compile | moegrad ms "
@@ -942,17 +1034,24 @@ def markdown_table(meta: dict, records: List[dict]) -> str:
                      f"{x(r['speedup_eager'])} | {x(r['speedup_compile'])} | "
                      f"{ms(r.get('ms_moegrad'))} | {ms(r.get('ms_kernel'))} | "
                      f"{ms(r.get('ms_compile'))} |")
+    targets = targets_markdown(records)
+    if targets:
+        lines += ["", targets.rstrip("\n")]
     lines += ["", "All cases (ms are medians; moegrad = public op, kernel = native call into "
               "preallocated outputs; GB/s and roofline from kernel; speedups against moegrad):",
               "", "| op | model | dtype | T | MB | moegrad ms | kernel ms | eager ms | compile ms "
-              "| GB/s | roofline | vs eager | vs compile | check |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| GB/s | copy GB/s | roofline | vs eager | vs compile | check |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
         lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['shape']['T']} | "
                      f"{r['bytes'] / 1e6:.2f} | {ms(r['ms_moegrad'])} | {ms(r['ms_kernel'])} | "
                      f"{ms(r['ms_eager'])} | {ms(r['ms_compile'])} | {r['gbps']:.1f} | "
+                     f"{r['copy_gbps']:.1f}{'*' if r.get('copy_low') else ''} | "
                      f"{r['roofline_frac']:.2f} | {x(r['speedup_eager'])} | "
                      f"{x(r['speedup_compile'])} | {r['check']} |")
+    if any(r.get("copy_low") for r in records):
+        lines += ["", "\\* the case's copy bandwidth stayed below 0.85 x the reference after "
+                  "re-measuring (the VM's slow phase)."]
     if meta.get("skipped"):
         lines += ["", "Skipped (memory): " + ", ".join(
             f"{sk['op']} {sk['model']} {sk['dtype']} T={sk['T']}" for sk in meta["skipped"])]
@@ -982,6 +1081,51 @@ def report(args) -> int:
     print_summary(meta["summary"])
     write_outputs(meta, records, args)
     return 1 if any(r["check"] != "ok" for r in records) else 0
+
+
+LOW_COPY = 0.85      # a case whose copy samples fall below this x the run's reference ...
+REMEASURE = 2       # ... is measured again, at most this many times, keeping its best window
+
+
+def remeasure_low_copy(records: List[dict], cases_run: List[Tuple["Case", bool]], args,
+                       llc: int, budget: Budget, probe: "CopyProbe", rounds: int,
+                       meta: dict) -> None:
+    """Measure again the cases whose window caught the VM in a low-bandwidth phase.
+
+    The run's reference copy bandwidth is the 90th percentile of the cases' window medians. A
+    kernel that is not limited by memory keeps its speed when the VM's bandwidth drops, so its
+    fraction of a low sample overstates it; a memory-bound one slows down with the copy. Cases
+    below LOW_COPY x reference are run again (at the end of the run, up to REMEASURE times);
+    the attempt with the highest copy bandwidth is kept, its `attempts` counts the runs, and
+    `copy_low` stays true if even that one was below."""
+    if not records:
+        return
+    ref_copy = sorted(r["copy_gbps"] for r in records)[int(0.9 * (len(records) - 1))]
+    meta["copy_gbps_reference"] = ref_copy
+    for attempt in range(REMEASURE):
+        low = [i for i, r in enumerate(records) if r["copy_gbps"] < LOW_COPY * ref_copy]
+        if not low:
+            break
+        print(f"re-measuring {len(low)} case(s) whose copy bandwidth was below "
+              f"{LOW_COPY:.2f} x {ref_copy:.1f} GB/s (attempt {attempt + 2})")
+        for i in low:
+            case, comp = cases_run[i]
+            old = records[i]
+            try:
+                rec = run_case(case, args, llc, old["copy_gbps"], args.seed, comp, budget,
+                               probe, rounds)
+            except Exception as e:  # noqa: BLE001 - keep the first measurement
+                print(f"  {case.op} {case.model} {case.dtype}: {type(e).__name__}")
+                continue
+            rec["attempts"] = old["attempts"] + 1
+            if rec["copy_gbps"] > old["copy_gbps"]:
+                records[i] = rec
+            else:
+                old["attempts"] = rec["attempts"]
+            print(format_row(records[i]))
+    for r in records:
+        r["copy_low"] = r["copy_gbps"] < LOW_COPY * ref_copy
+    sys.stdout.flush()
 
 
 def main(argv=None) -> int:
@@ -1043,7 +1187,9 @@ def main(argv=None) -> int:
         print(HEADER)
         sys.stdout.flush()
         records: List[dict] = []
+        cases_run: List[Tuple[Case, bool]] = []
         failures = 0
+        rounds = 2 if args.tiny else 4
         for case, comp in select_cases(args):
             n_sets = n_sets_for(case.bytes, llc, args.max_sets)
             est = estimate_memory(case, n_sets, with_eager=True)
@@ -1055,13 +1201,8 @@ def main(argv=None) -> int:
                       f"{case.desc:<30} skipped: {reason}")
                 continue
             try:
-                before = probe.measure()
-                rec = run_case(case, args, llc, before, args.seed, comp, budget)
-                # a transient dip in one sample must not inflate the roofline fraction: use
-                # the larger of the samples taken just before and just after the case
-                after = probe.measure()
-                if after > before:
-                    rec.update(copy_gbps=after, roofline_frac=rec["gbps"] / after)
+                rec = run_case(case, args, llc, copy_gbps, args.seed, comp, budget, probe,
+                               rounds)
             except Exception as e:  # noqa: BLE001 - a failing case must not end the run
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
                 meta.setdefault("errors", []).append(dict(op=case.op, model=case.model,
@@ -1071,11 +1212,14 @@ def main(argv=None) -> int:
                       f"{case.desc:<30} ERROR {msg}")
                 failures += 1
                 continue
+            rec["attempts"] = 1
+            cases_run.append((case, comp))
             records.append(rec)
             failures += rec["check"] != "ok"  # a compile-baseline problem is only reported
             print(format_row(rec) + ("" if rec["check_compile"] in (None, "ok")
                                      else f" [compile: {rec['check_compile']}]"))
             sys.stdout.flush()
+        remeasure_low_copy(records, cases_run, args, llc, budget, probe, rounds, meta)
         meta["summary"] = summarize(records)
         if records:
             print_summary(meta["summary"])

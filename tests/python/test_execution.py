@@ -143,3 +143,88 @@ def test_int64_outside_int32_names_position_and_value(gen):
         moegrad.moe_finalize_routing(torch.randn(8, 4), idx, scales=torch.rand(4, 2))
     assert e.value.code == FINALIZE
     assert str(bad) in str(e.value) and f"position {pos}" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# L104: a plain eager call runs the op's body without a trip through the dispatcher; anything the
+# dispatcher has work for (autograd, modes, tracing, the profiler) still goes through it.
+# ---------------------------------------------------------------------------------------------
+class _CountingPacket:
+    def __init__(self, packet):
+        self.packet, self.calls = packet, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.packet(*args, **kwargs)
+
+
+def _count_packet(monkeypatch, name):
+    op = getattr(_ops, name)
+    counter = _CountingPacket(op._packet)
+    monkeypatch.setattr(op, "_packet", counter)
+    return counter
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@pytest.mark.parametrize("i", range(N_CALLS - 1))  # the last one calls torch.ops directly
+def test_plain_call_skips_the_dispatcher_with_the_same_result(monkeypatch, gen, i):
+    name, fn, args, kwargs = _calls(gen)[i]
+    counter = _count_packet(monkeypatch, name)
+    got = _flat(fn(*args, **kwargs))
+    assert counter.calls == 0, name
+    if name == "swiglu_group_quant":
+        want = _flat(torch.ops.moegrad.swiglu_group_quant(
+            *args, None, None, 292, 1, 0, True, -1.0, 15.0, True))
+    else:
+        want = _flat(getattr(torch.ops.moegrad, name)(*args, **kwargs))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b), name
+
+
+def test_calls_the_dispatcher_must_see_go_through_it(monkeypatch, gen):
+    x = torch.randn(6, 16, generator=gen)
+    counter = _count_packet(monkeypatch, "swiglu_group")
+    # an input that needs a gradient: the autograd kernel records the graph
+    xg = x.clone().requires_grad_()
+    y = moegrad.swiglu_group(xg)
+    assert counter.calls == 1 and y.grad_fn is not None
+    gy = torch.randn(y.shape, generator=gen)
+    y.backward(gy)
+    assert xg.grad is not None and xg.grad.shape == x.shape
+    # the same input under no_grad needs nothing from the dispatcher
+    with torch.no_grad():
+        moegrad.swiglu_group(xg)
+    assert counter.calls == 1
+
+    # a dispatch mode sees the op
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        moegrad.swiglu_group(x)
+    assert counter.calls == 2 and any("moegrad.swiglu_group" in s for s in seen), seen
+    # the profiler records the op by name
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moegrad.swiglu_group(x)
+    assert counter.calls == 3
+    assert any(e.name == "moegrad::swiglu_group" for e in prof.events())
+
+
+def test_malformed_argument_gets_the_dispatchers_error(gen):
+    x = torch.randn(6, 16, generator=gen)
+    with pytest.raises(Exception) as direct:
+        moegrad.swiglu_group(x, "not a tensor")
+    with pytest.raises(Exception) as via_dispatcher:
+        torch.ops.moegrad.swiglu_group(x, "not a tensor")
+    assert type(direct.value) is type(via_dispatcher.value)
+    assert str(direct.value) == str(via_dispatcher.value)
