@@ -17,6 +17,17 @@ namespace {
 template <typename I>
 void range_impl(const Validator& v, int32_t code, const I* p, int64_t n, const char* arg,
                 int64_t lo, int64_t hi) {
+  // Fast pass: min and max of the values (a loop the compiler vectorises, about 16 values a
+  // cycle, against one with a compare and branch per value); only a range that fails it is
+  // scanned again for the first offending position. A stage-one check runs on every call, so
+  // at T = 4096, K = 4 this was several microseconds of a call of a few tens.
+  if (n <= 0) return;
+  I mn = p[0], mx = p[0];
+  for (int64_t i = 0; i < n; ++i) {
+    mn = p[i] < mn ? p[i] : mn;
+    mx = p[i] > mx ? p[i] : mx;
+  }
+  if (static_cast<int64_t>(mn) >= lo && static_cast<int64_t>(mx) < hi) return;
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] < lo || p[i] >= hi) {
       v.fail(code, arg, cat("values must lie in [", lo, ", ", hi, "); got ", p[i],

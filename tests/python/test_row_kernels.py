@@ -248,13 +248,14 @@ def _gating_backward_emulated(xn, gy, e, renorm, norm_type, rsf, eps):
 
 
 @DTYPES
-@pytest.mark.parametrize("N,K", [(2, 1), (2, 2), (17, 4), (32, 4), (33, 16), (64, 17), (100, 40),
-                                 (256, 8), (257, 3)])
+@pytest.mark.parametrize("N,K", [(2, 1), (2, 2), (16, 2), (17, 4), (32, 4), (33, 16), (48, 8),
+                                 (64, 8), (64, 17), (100, 40), (256, 8), (257, 3)])
 @pytest.mark.parametrize("norm_type,renorm", [(1, 0), (0, 1), (0, 0)])
 def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renorm, rng):
-    # 70 rows: whole batches of a vector's worth of rows (the slot scalars one row per lane,
-    # G rows in a tile) and rows after them, at 1, 2 and 3 threads; with 5 threads (14-row
-    # chunks) no whole batch on AVX-512. N = 257 and K > 16 rows take the one-row form.
+    # 70 rows: whole batches of a vector's worth of rows (the slot scalars one row per lane;
+    # on AVX-512 with K in {2, 4, 8} and N <= 64 built by lane permutations, G in registers)
+    # and rows after them, at 1, 2 and 3 threads; with 5 threads (14-row chunks) no whole
+    # batch on AVX-512. N = 257 and K > 16 rows take the one-row form.
     M = 70
     logits = randn((M, N), F32, rng)
     xn = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, dim=1)
