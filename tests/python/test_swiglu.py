@@ -8,7 +8,7 @@ import torch
 
 import moegrad
 import reference as ref
-from conftest import (TOLERANCES, assert_close_to_ref, dtype_params, poison, randn,
+from conftest import (TOLERANCES, assert_close_to_ref, dtype_params, poison, randn, ulp,
                       unit_roundoff)
 
 APIS = ("public", "lowlevel")
@@ -298,3 +298,50 @@ def test_swiglu_forward_infinite_inputs_follow_formula(dtype, api):
     y = run_forward(api, x, clamp_limit=1.0)
     assert torch.isfinite(y[0, 0])
     check_forward(y, x, clamp_limit=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_swiglu_forward_every_16bit_gate_value(dtype, rng):
+    # Every one of the 65536 bit patterns as the gate (specials, denormals, the largest values),
+    # against up values of both signs, small to large, with and without a weight and a clamp:
+    # the 16-bit sigmoid (docs/decisions.md L105) within the tolerance everywhere. Prints the
+    # largest error in units of the output's last place.
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    big = 1e30 if dtype == torch.bfloat16 else 6e4
+    ups = torch.tensor([1.0, -1.0, 0.3, -2.5, 7.0, 1e-3, big, -big], dtype=dtype)
+    x = torch.cat([gate.expand(len(ups), -1), ups[:, None].expand(-1, gate.numel())], dim=1)
+    weight = torch.tensor(rng.uniform(0.1, 2.0, size=len(ups)), dtype=torch.float32)
+    top = float(torch.finfo(dtype).max)
+    edge = top * (1 + unit_roundoff(dtype))  # from here on the rounding gives inf
+    worst = 0.0
+    for w, lim in ((None, -1.0), (weight, -1.0), (weight, 7.0)):
+        y = moegrad.swiglu_group(x, weight=w, clamp_limit=lim)
+        o, e = ref.as_f64(y), ref.swiglu_group(x, w, clamp_limit=lim)
+        # Results past the dtype's range (the reference does not round): inf of the right sign
+        # from the rounding edge on, the largest finite value or inf just below it.
+        with np.errstate(invalid="ignore"):
+            over = np.abs(e) > top
+        assert np.all(np.isinf(o[np.abs(e) >= edge]) &
+                      (np.sign(o[np.abs(e) >= edge]) == np.sign(e[np.abs(e) >= edge])))
+        assert np.all((np.abs(o[over]) == top) | np.isinf(o[over]))
+        e = np.where(over, o, e)
+        # The math is fp32 (D12), in the reference's order (silu(gate) * up, then * w): left out
+        # are the entries where silu(gate) is below fp32's normal range (gate under about -87;
+        # fewer significant bits, which a large |up * w| makes visible) and where silu(gate) * up
+        # overflows fp32 before w brings it back (the same with the sigmoid of L96).
+        g = ref.as_f64(x[:, :gate.numel()])
+        g = np.minimum(g, lim) if lim > 0 else g
+        u = ref.as_f64(x[:, gate.numel():])
+        u = np.clip(u, -lim, lim) if lim > 0 else u
+        with np.errstate(invalid="ignore", over="ignore"):
+            silu = g * ref.sigmoid(g)
+            f32max = float(np.finfo(np.float32).max)
+            skip = ((g < -80) & (np.abs(silu) < 2.0 ** -126)) | (np.abs(silu * u) > f32max)
+        e = np.where(skip, o, e)
+        assert_close_to_ref(y, e, dtype, what="y")
+        fin = np.isfinite(o) & np.isfinite(e)
+        ulps = np.abs(o[fin] - e[fin]) / ulp(dtype, e[fin])
+        worst = max(worst, float(ulps.max()))
+    print(f"swiglu_group {dtype}: max error {worst:.4f} ulp of the output over every gate value")
+    # The tolerance in output ulps: half an ulp plus 2 * ctol relative (|ref| < 2^bits ulps).
+    assert worst <= 0.5 + 2 * TOLERANCES[torch.float32]["ctol"] / unit_roundoff(dtype)

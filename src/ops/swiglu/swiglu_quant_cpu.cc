@@ -133,20 +133,20 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
       // amax over the finite values (masked for the lanes past n), block by block (no division
       // per vector); a second one encodes.
       const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
-      // bf16/fp16 outputs: the shorter sigmoid (docs/decisions.md L96).
+      // bf16/fp16 outputs: the cheaper sigmoid (docs/decisions.md L96, L105).
       constexpr bool kSixteen = !std::is_same_v<T, float>;
       auto f = [&](VF va, VF vb) {
-        va = clamp.gate(va);
-        vb = clamp.up(vb);
-        return hn::Mul(hn::Mul(hn::Mul(va, SigmoidT<kSixteen>(d, va)), vb), vw);
+        return SwigluValue<kSixteen>(d, clamp.gate(va), clamp.up(vb), vw);
       };
       const size_t Bs = static_cast<size_t>(B);
       // Stores one vector of values and returns the running amax of its block's finite values
-      // (lanes past n masked).
-      auto step = [&](VF vmax, VF v, size_t i) {
+      // (with kTail, lanes past n masked; the vectors read from memory are whole).
+      auto step = [&](VF vmax, VF v, size_t i, auto tail) {
         hn::Store(v, d, o + i);
         VF av = hn::Abs(v);
-        if (i + N > n) av = hn::IfThenElseZero(hn::FirstN(d, n - i), av);
+        if constexpr (decltype(tail)::value) {
+          if (i + N > n) av = hn::IfThenElseZero(hn::FirstN(d, n - i), av);
+        }
         return hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);  // finite values only
       };
       // Whole vectors come straight from memory; the rest (the tail, or every element of a
@@ -167,10 +167,13 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
         size_t i = j;
         if constexpr (InRegister<T>::value) {
           for (; i < jv; i += N) {
-            vmax = step(vmax, f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i);
+            vmax = step(vmax, f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i,
+                        std::false_type{});
           }
         }
-        for (; i < jend; i += N) vmax = step(vmax, f(hn::Load(d, a + i), hn::Load(d, b + i)), i);
+        for (; i < jend; i += N) {
+          vmax = step(vmax, f(hn::Load(d, a + i), hn::Load(d, b + i)), i, std::true_type{});
+        }
 #if MOEGRAD_SIMD_AVX512
         if (tree) {
           hn::Store(vmax, d, bmax + 16 * k);
