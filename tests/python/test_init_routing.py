@@ -589,3 +589,38 @@ def test_chain_trains_end_to_end(kw, rng):
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5), name
     if "active_expert_range" in kw:
         assert (~live).any() and (idx[~live] == -1).all()
+
+
+@pytest.mark.parametrize("kw", [
+    {}, dict(active_num=1500), dict(active_num=10000), dict(active_expert_range=[3, 12]),
+    dict(active_expert_range=[3, 12], row_idx_type=1), dict(row_idx_type=1),
+    dict(drop_pad_mode=1, expert_capacity=300), dict(expert_tokens_num_type=2),
+])
+def test_large_x_takes_the_token_order_copy(kw, rng):
+    """x of >= 8 MB is copied in token order (docs/decisions.md L113: each x row read once and
+    written to its slots' rows, then the unaddressed rows zeroed): into poisoned buffers, equal
+    to the reference bit for bit, with a window, fewer and more active rows than slots, both
+    row_idx_types and drop-pad padding, at 1, 2 and 3 threads."""
+    R, K, E, H = 2100, 2, 16, 1001
+    x = randn((R, H), torch.float32, rng)
+    assert x.numel() * 4 >= 8 << 20
+    eidx = rand_expert_idx(R, K, E, rng)
+    rg = kw.get("active_expert_range")
+    attrs = (kw.get("active_num", 0), kw.get("expert_capacity", 0), E,
+             kw.get("drop_pad_mode", 0), kw.get("expert_tokens_num_type", 1), True,
+             rg is not None, *(rg or (0, 0)), kw.get("row_idx_type", 0))
+    rex, ridx, rtok = ref.moe_init_routing(x, eidx, expert_num=E, **kw)
+    for n in (1, 2, 3):
+        old = _C.get_num_threads()
+        _C.set_num_threads(n)
+        try:
+            sx, si, st = _C.infer_moe_init_routing(x, eidx, *attrs)
+            ex = poison(torch.empty(sx))
+            idx = poison(torch.empty(si, dtype=torch.int32))
+            tok = poison(torch.empty(st, dtype=torch.int64))
+            _C.moe_init_routing(x, eidx, *attrs, ex, idx, tok)
+        finally:
+            _C.set_num_threads(old)
+        assert torch.equal(ex.double(), torch.from_numpy(rex)), f"{n} threads"
+        assert not torch.signbit(ex[ex == 0]).any(), "padding rows must be +0.0"
+        assert idx.tolist() == ridx.tolist() and tok.tolist() == rtok.tolist(), f"{n} threads"

@@ -29,6 +29,11 @@ struct InitRoutingPlan : PlanBase {
   // starts [bins + 1] int32; chunk histograms [chunks, bins + 1] int32 (the last column counts
   // the slots outside the window).
   Slot ws_eidx, ws_sorted, ws_starts, ws_hist;
+  // Large x (docs/decisions.md L113): the rows are copied in token order, each x row read once
+  // and written to its slots' destinations; ws_dest [N] int32 holds each slot's destination
+  // row (-1: none).
+  bool source_order = false;
+  Slot ws_dest;
   std::array<TensorView*, 3> output_views() {
     return {&expanded_x, &expanded_row_idx, &expert_tokens};
   }

@@ -35,12 +35,24 @@ HWY_INLINE const T* grad_src(const InitRoutingGradPlan& p, const int32_t* idx, c
   return (d < 0 || d >= p.rows) ? nullptr : g + d * p.H;
 }
 
+// Whether the init routing grad prefetches its gathered rows in software: not when K rows of
+// fp32 (K >= 8; 16-bit rows from K >= 16) are read at once, whole lines per vector. Measured
+// (1 and 2 threads, T = 4096): DeepSeek-V3 fp32 (K = 8, 28 KB rows) 1.2-1.3x faster without,
+// GPT-OSS fp32 (K = 4) and DeepSeek-V3 bf16/fp16 (K = 8) 1.1-1.6x faster with it; most likely
+// the hardware prefetchers already keep enough lines in flight for 8 full-line streams and the
+// software prefetches compete with them for the miss buffers (docs/decisions.md L114).
+template <typename T>
+HWY_INLINE bool grad_prefetch(int64_t K) {
+  return K * static_cast<int64_t>(sizeof(T)) < 32;
+}
+
 // U vectors of token row r at column j (kTail: one vector of n < Lanes elements): +0 plus the
-// valid slots' rows in k order, in fp32. Prefetches ahead in each gathered row and, near its
-// end, the start of the next token's row of the same slot.
+// valid slots' rows in k order, in fp32. With prefetch: prefetches ahead in each gathered row
+// and, near its end, the start of the next token's row of the same slot.
 template <size_t U, bool kTail, typename T>
 HWY_INLINE void grad_block(DF d, const InitRoutingGradPlan& p, const int32_t* idx, const T* g,
-                           int64_t r, bool has_next, size_t j, size_t n, VF* acc) {
+                           int64_t r, bool prefetch, bool has_next, size_t j, size_t n,
+                           VF* acc) {
   const size_t L = hn::Lanes(d);
   const int64_t K = p.K;
   const size_t row_bytes = static_cast<size_t>(p.H) * sizeof(T);
@@ -48,9 +60,11 @@ HWY_INLINE void grad_block(DF d, const InitRoutingGradPlan& p, const int32_t* id
   for (int64_t k = 0; k < K; ++k) {
     const T* src = grad_src(p, idx, g, r * K + k);
     if (!src) continue;
-    const T* next = has_next ? grad_src(p, idx, g, (r + 1) * K + k) : nullptr;
-    for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
-      rows::PrefetchAhead(src, next, row_bytes, j * sizeof(T) + off);
+    if (prefetch) {
+      const T* next = has_next ? grad_src(p, idx, g, (r + 1) * K + k) : nullptr;
+      for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
+        rows::PrefetchAhead(src, next, row_bytes, j * sizeof(T) + off);
+      }
     }
     for (size_t u = 0; u < U; ++u) {
       const VF v = kTail ? LoadFN(d, src + j, n) : LoadF(d, src + j + u * L);
@@ -66,10 +80,12 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
   const T* g = typed<T>(p.grad_expanded_x);
   T* out = typed<T>(p.grad_x);
   const bool nt = stream_output(mul_sat(p.R, p.H * static_cast<int64_t>(sizeof(T))));
+  const bool prefetch = grad_prefetch<T>(p.K);
   for (int64_t r = begin; r < end; ++r) {
     const bool has_next = r + 1 < end;
     rows::WriteRow(d, out + r * p.H, H, nt, [&](auto U, auto tail, size_t j, size_t n, VF* acc) {
-      grad_block<decltype(U)::value, decltype(tail)::value>(d, p, idx, g, r, has_next, j, n, acc);
+      grad_block<decltype(U)::value, decltype(tail)::value>(d, p, idx, g, r, prefetch, has_next, j, n,
+                                                            acc);
     });
   }
   hwy::FlushStream();
@@ -108,6 +124,49 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
   }
 }
 
+// Token order (L113): x row r goes to the destination rows dest[r K + k] in [0, rows), each
+// read once (the destination order reads every row K times, from memory once x outgrows the
+// cache); then the rows no slot addresses are zeroed (D27). Every destination row is written by
+// one slot (or zeroed once), so the bits do not depend on the thread count.
+void InitRoutingCopyBySource(const InitRoutingPlan& p, const int32_t* dest, const int32_t* starts,
+                             int64_t n_act) {
+  const int64_t K = p.K, rows = p.rows;
+  const size_t rb = static_cast<size_t>(p.H * dtype_size(p.x.dtype));
+  const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
+  unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
+  const bool nt = stream_output(mul_sat(p.rows, static_cast<int64_t>(rb)));
+  parallel_rows(p.R, p.threads, [&](int, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const unsigned char* src = x + r * static_cast<int64_t>(rb);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t d = dest[r * K + k];
+        if (d >= 0 && d < rows) rows::StreamBytes(src, ex + d * static_cast<int64_t>(rb), rb, nt);
+      }
+    }
+    hwy::FlushStream();
+  });
+  if (p.mode == 0) {
+    const int64_t z0 = std::min(n_act, rows);
+    parallel_rows(rows - z0, p.threads, [&](int, int64_t j0, int64_t j1) {
+      for (int64_t j = z0 + j0; j < z0 + j1; ++j) {
+        rows::StreamBytes(nullptr, ex + j * static_cast<int64_t>(rb), rb, nt);
+      }
+      hwy::FlushStream();
+    });
+  } else {
+    const int64_t cap = p.capacity;
+    parallel_rows(rows, p.threads, [&](int, int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t b = j / cap, q = j % cap;
+        if (q >= starts[b + 1] - starts[b]) {
+          rows::StreamBytes(nullptr, ex + j * static_cast<int64_t>(rb), rb, nt);
+        }
+      }
+      hwy::FlushStream();
+    });
+  }
+}
+
 void InitRoutingBackward(const InitRoutingGradPlan& p, const Workspace& ws) {
   const int32_t* idx = index32(p.expanded_row_idx, ws.get<int32_t>(p.ws_idx));
   dispatch_float(p.grad_expanded_x.dtype, "grad_expanded_x", [&](auto tag) {
@@ -125,6 +184,7 @@ HWY_AFTER_NAMESPACE();
 namespace moegrad {
 HWY_EXPORT(InitRoutingBackward);
 HWY_EXPORT(InitRoutingCopyRows);
+HWY_EXPORT(InitRoutingCopyBySource);
 
 int64_t grain(int64_t H) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(1, H)); }
 
@@ -168,6 +228,9 @@ void write_tokens(const InitRoutingPlan& p, const int32_t* starts, int64_t bins,
 
 }  // namespace
 
+// x of this many bytes and more is copied in token order (L113).
+constexpr int64_t kSourceOrderMinBytes = int64_t{8} << 20;
+
 void init_routing_cpu_size(InitRoutingPlan& p, WorkspaceLayout& layout) {
   const int64_t N = p.R * p.K;
   const int64_t bins = p.comparison_sort ? 0 : std::max<int64_t>(p.hi - p.lo, 0);
@@ -177,6 +240,9 @@ void init_routing_cpu_size(InitRoutingPlan& p, WorkspaceLayout& layout) {
   p.ws_sorted = layout.add<int32_t>(N);
   p.ws_starts = layout.add<int32_t>(bins + 1);
   p.ws_hist = layout.add<int32_t>(p.chunks * (bins + 1));
+  // Token order once x no longer stays in the cache between the K reads of each of its rows.
+  p.source_order = mul_sat(p.R, p.H * dtype_size(p.x.dtype)) >= kSourceOrderMinBytes;
+  p.ws_dest = layout.add<int32_t>(p.source_order ? N : 0);
 }
 
 void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
@@ -188,6 +254,7 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
   const int64_t lo = p.lo, hi = p.hi;
   const int64_t bins = p.comparison_sort ? 0 : std::max<int64_t>(hi - lo, 0);
   int32_t* starts = ws.get<int32_t>(p.ws_starts);
+  int32_t* dest = p.source_order ? ws.get<int32_t>(p.ws_dest) : nullptr;  // slot -> row
   int64_t n_act = 0;
 
   if (p.comparison_sort) {
@@ -197,6 +264,9 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
     n_act = N;
     if (p.row_idx_type == 0) {
       for (int64_t d = 0; d < N; ++d) idx[sorted[d]] = static_cast<int32_t>(d);
+    }
+    if (dest) {
+      for (int64_t d = 0; d < N; ++d) dest[sorted[d]] = static_cast<int32_t>(d);
     }
   } else {
     const int64_t C = p.chunks, W = bins + 1;
@@ -233,17 +303,19 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
           const int64_t b = static_cast<int64_t>(e[s]) - lo;
           if (b < 0 || b >= bins) {
             if (gather) idx[s] = -1;  // outside the window (D25)
+            if (dest) dest[s] = -1;
             continue;
           }
           const int32_t d = h[b]++;
           sorted[d] = static_cast<int32_t>(s);
-          if (!gather) continue;
+          if (!gather && !dest) continue;
+          int32_t row = d;
           if (drop_pad) {
             const int64_t q = d - starts[b];
-            idx[s] = q < cap ? static_cast<int32_t>(b * cap + q) : -1;  // lowest tokens kept
-          } else {
-            idx[s] = d;
+            row = q < cap ? static_cast<int32_t>(b * cap + q) : -1;  // lowest tokens kept
           }
+          if (gather) idx[s] = row;
+          if (dest) dest[s] = row;
         }
       }
     });
@@ -264,7 +336,11 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
   }
 
   // expanded_x: bit copies of token rows; rows with no slot are +0.0 (D27).
-  HWY_DYNAMIC_DISPATCH(InitRoutingCopyRows)(p, sorted, starts, n_act);
+  if (dest) {
+    HWY_DYNAMIC_DISPATCH(InitRoutingCopyBySource)(p, dest, starts, n_act);
+  } else {
+    HWY_DYNAMIC_DISPATCH(InitRoutingCopyRows)(p, sorted, starts, n_act);
+  }
 
   if (p.has_tokens) {
     if (p.expert_tokens.dtype == DType::kInt64) {
