@@ -67,6 +67,9 @@ HWY_INLINE float GradWeightDot(int64_t n, const T* HWY_RESTRICT a, const T* HWY_
   return part[0];
 }
 
+// Software prefetch distance of the forward's two input streams, in bytes (L107).
+constexpr size_t kPrefetchAhead = 1024;
+
 template <typename T, bool kClamp>
 void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin, int64_t end) {
   const DF d;
@@ -82,9 +85,12 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   float* b = a + kChunk;
   float* o = b + kChunk;
   T* stage = reinterpret_cast<T*>(o + kChunk);
+  // bf16 on AVX-512 with AVX512-BF16: pairs narrowed by one instruction (L106).
 #if MOEGRAD_SIMD_AVX512
-  [[maybe_unused]] const bool use_bf16 =
-      simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
+  const bool cvt2 = std::is_same_v<T, bf16_t> &&
+                    simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
+#else
+  constexpr bool cvt2 = false;
 #endif
   for (int64_t t = begin; t < end; ++t) {
     T* yr = y + t * H;
@@ -101,15 +107,23 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
       return SwigluValue<kSixteen>(d, clamp.gate(va), clamp.up(vb), vw);
     };
     int64_t h0 = 0;
-#if MOEGRAD_SIMD_AVX512
-    if constexpr (std::is_same_v<T, bf16_t>) {
-      // Pairs of vectors narrowed by one instruction into one 64-byte store (L105).
-      auto pairs = [&](auto streamed) {
+    if constexpr (InRegister<T>::value && !std::is_same_v<T, float>) {
+      // 16-bit data: pairs of vectors (64 bytes of each input half, 64 bytes of output), with a
+      // software prefetch of both input streams kPrefetchAhead bytes ahead (L107).
+      auto pairs = [&](auto streamed, auto narrow2) {
         constexpr bool kStream = decltype(streamed)::value;
         for (; h0 + 2 * static_cast<int64_t>(N) <= H; h0 += 2 * N) {
+          hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0) + kPrefetchAhead);
+          hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0) + kPrefetchAhead);
           const VF v0 = f(LoadF(d, x0 + h0), LoadF(d, x1 + h0));
           const VF v1 = f(LoadF(d, x0 + h0 + N), LoadF(d, x1 + h0 + N));
-          if (HWY_LIKELY(TryStoreBf16x2<kStream>(v0, v1, yr + h0))) continue;
+#if MOEGRAD_SIMD_AVX512
+          if constexpr (decltype(narrow2)::value && std::is_same_v<T, bf16_t>) {
+            if (HWY_LIKELY(TryStoreBf16x2<kStream>(v0, v1, yr + h0))) continue;
+          }
+#else
+          (void)narrow2;
+#endif
           if constexpr (kStream) {
             StreamF2(d, v0, v1, yr + h0);
           } else {
@@ -118,24 +132,32 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
           }
         }
       };
-      if (use_bf16) {
-        if (stream && Stream2Aligned(yr)) {
-          pairs(std::true_type{});
+      const bool s2 = stream && Stream2Aligned(yr);
+      if (cvt2) {
+        if (s2) {
+          pairs(std::true_type{}, std::true_type{});
         } else {
-          pairs(std::false_type{});
+          pairs(std::false_type{}, std::true_type{});
         }
+      } else if (s2) {
+        pairs(std::true_type{}, std::false_type{});
+      } else {
+        pairs(std::false_type{}, std::false_type{});
       }
     }
-#endif
     if constexpr (InRegister<T>::value) {
       // Whole vectors straight from and to memory (non-temporal stores where the row is
       // aligned); the tail goes through the chunk path.
       if (stream && StreamAligned(yr)) {
         for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+          hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0) + kPrefetchAhead);
+          hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0) + kPrefetchAhead);
           StreamF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
         }
       } else {
         for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
+          hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0) + kPrefetchAhead);
+          hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0) + kPrefetchAhead);
           StoreF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
         }
       }

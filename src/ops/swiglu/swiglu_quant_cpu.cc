@@ -87,6 +87,9 @@ HWY_INLINE void LaneMaxima16(const float* HWY_RESTRICT v, float* HWY_RESTRICT ou
 }
 #endif
 
+// Software prefetch distance of the two input streams, in bytes (L107).
+constexpr size_t kPrefetchAhead = 1024;
+
 template <typename T, bool kE5M2, bool kClamp>
 void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t begin,
                int64_t end) {
@@ -166,6 +169,11 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
         VF vmax = hn::Zero(d);
         size_t i = j;
         if constexpr (InRegister<T>::value) {
+          // Software prefetch of both input streams, kPrefetchAhead bytes ahead (L107).
+          for (size_t c = 0; j + c / sizeof(T) < jv; c += 64) {
+            hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0 + j) + kPrefetchAhead + c);
+            hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0 + j) + kPrefetchAhead + c);
+          }
           for (; i < jv; i += N) {
             vmax = step(vmax, f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i,
                         std::false_type{});
