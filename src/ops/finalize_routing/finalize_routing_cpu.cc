@@ -197,6 +197,40 @@ HWY_INLINE void grad_block(DF d, const float* g, VF s, T* dst, bool stream, bool
   }
 }
 
+// One slot of the grad over the 64 columns [j, j + 64) (kU = 64 / Lanes vectors, j a multiple
+// of 64): grad_expanded_x = g * s and the dot product of (x + b) with g into the kU register
+// accumulators acc, lane for lane the partial sums of rows::Dot (column j + i goes to partial
+// sum i), so the bits are those of grad_block. g is widened straight from the grad_y row
+// (exact), which the K slots of a token read from the cache.
+template <size_t kU, typename T>
+HWY_INLINE void grad_block64(DF d, const T* gyr, VF s, T* dst, bool stream, bool stream2,
+                             const T* x, const T* b, const T* next_x, size_t row_bytes,
+                             size_t j, VF* acc) {
+  const size_t L = hn::Lanes(d);
+  if (x) {
+    for (size_t off = 0; off < kU * L * sizeof(T); off += 64) {
+      rows::PrefetchAhead<rows::kPrefetchOneStream>(x, next_x, row_bytes, j * sizeof(T) + off);
+    }
+  }
+  VF gv[kU];
+  for (size_t u = 0; u < kU; ++u) gv[u] = LoadF(d, gyr + j + u * L);
+  if (dst) {
+    VF v[kU];
+    for (size_t u = 0; u < kU; ++u) v[u] = hn::Mul(gv[u], s);
+    StoreBlock<kU>(d, v, dst + j, stream, stream2);
+  }
+  for (size_t u = 0; u < kU; ++u) {
+    const size_t o = j + u * L;
+    if (x && b) {
+      acc[u] = hn::Add(acc[u], hn::Mul(hn::Add(LoadF(d, x + o), LoadF(d, b + o)), gv[u]));
+    } else if (x) {
+      acc[u] = hn::Add(acc[u], hn::Mul(LoadF(d, x + o), gv[u]));
+    } else if (b) {
+      acc[u] = hn::Add(acc[u], hn::Mul(LoadF(d, b + o), gv[u]));
+    }
+  }
+}
+
 // Token rows [begin, end) of the grad: per slot, one pass over the row that writes
 // grad_expanded_x and accumulates the slot's grad_scales dot product (fixed order, D16).
 template <typename T, typename S>
@@ -218,10 +252,17 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
   float* g = ws.get<float>(p.ws_g, tid);  // H, padded to whole vectors with +0
   const size_t Hv = H / L * L;
   std::fill(g + Hv, g + Hv + L, 0.0f);
+  // Whole blocks of 64 columns keep the 64 partial sums in kU registers where that is at
+  // most 8 vectors (AVX-512: 4, AVX2: 8) and read g from the grad_y row; the columns after
+  // them (and every column on narrower targets) go through the g buffer and rows::Dot.
+  constexpr size_t kU = rows::kDotLanes / hn::MaxLanes(DF());
+  constexpr bool kReg = kU <= 8 && kU * hn::MaxLanes(DF()) == rows::kDotLanes;
+  const size_t H64 = kReg && L * kU == rows::kDotLanes ? H / rows::kDotLanes * rows::kDotLanes
+                                                        : 0;
 
   for (int64_t r = begin; r < end; ++r) {
     const T* gyr = gy + r * static_cast<int64_t>(H);
-    for (size_t j = 0; j < Hv; j += L) hn::Store(LoadF(d, gyr + j), d, g + j);
+    for (size_t j = H64; j < Hv; j += L) hn::Store(LoadF(d, gyr + j), d, g + j);
     if (Hv < H) hn::Store(LoadFN(d, gyr + Hv, H - Hv), d, g + Hv);
     for (int64_t k = 0; k < K; ++k) {
       const int64_t i = r * K + k;
@@ -241,6 +282,17 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
       const bool stream2 = nt && dst != nullptr && Stream2Aligned(dst);
       rows::Dot dot;
       size_t j = 0;
+      if constexpr (kReg) {
+        if (H64 > 0) {
+          VF acc[kU];
+          for (size_t u = 0; u < kU; ++u) acc[u] = hn::Zero(d);
+          for (; j < H64; j += rows::kDotLanes) {
+            grad_block64<kU>(d, gyr, s, dst, stream, stream2, xrow, brow, next_x, row_bytes, j,
+                             acc);
+          }
+          for (size_t u = 0; u < kU; ++u) hn::Store(acc[u], d, dot.part + u * L);
+        }
+      }
       for (; j + 2 * L <= H; j += 2 * L) {
         grad_block<2, false>(d, g, s, dst, stream, stream2, xrow, brow, next_x, row_bytes, j,
                              j % rows::kDotLanes, 0, &dot);
