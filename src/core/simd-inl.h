@@ -252,6 +252,19 @@ HWY_INLINE void StreamF2(DF d, VF v0, VF v1, T* HWY_RESTRICT p) {
     StreamF(d, v0, p);
     StreamF(d, v1, p + hn::Lanes(d));
   } else {
+#if MOEGRAD_SIMD_AVX512
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      // Both vectors in one VCVTNE2PS2BF16 (v1's lanes in the upper half), under the rule of
+      // Bf16Bits: only when no lane of either is denormal.
+      if (simd_detail::use_avx512bf16.load(std::memory_order_relaxed) &&
+          (_mm512_fpclass_ps_mask(v0.raw, 0x20) | _mm512_fpclass_ps_mask(v1.raw, 0x20)) == 0) {
+        __m512i r;
+        asm("vcvtne2ps2bf16 {%2, %1, %0|%0, %1, %2}" : "=v"(r) : "v"(v1.raw), "v"(v0.raw));
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(p), r);
+        return;
+      }
+    }
+#endif
 #if HWY_TARGET != HWY_SCALAR
     using R = Reg<T>;
     const hn::RebindToUnsigned<typename R::D> dh;  // uint16 lanes, half a vector
