@@ -56,7 +56,7 @@ bool Widen(int kind, int via, const uint16_t* in, float* out, size_t n) {
 }
 
 // via 0: StoreF on whole vectors, 1: store_chunk (odd lengths), 2: stream_chunk (aligned
-// kChunk pieces; out must be vector-aligned).
+// kChunk pieces; out must be vector-aligned), 3: StreamF2 on pairs of vectors.
 template <typename T>
 bool NarrowT(int via, const float* in, uint16_t* out, size_t n) {
   const DF d;
@@ -74,6 +74,15 @@ bool NarrowT(int via, const float* in, uint16_t* out, size_t n) {
       store_chunk(in + i, dst + i, len);
       i += len;
     }
+    return true;
+  }
+  if (via == 3) {  // StreamF2: pairs of vectors in one non-temporal store (where it exists)
+    const size_t L2 = 2 * hn::Lanes(d);
+    if (!Stream2Aligned(dst) || n % L2 != 0) return false;
+    for (size_t i = 0; i < n; i += L2) {
+      StreamF2(d, hn::LoadU(d, in + i), hn::LoadU(d, in + i + L2 / 2), dst + i);
+    }
+    hwy::FlushStream();
     return true;
   }
   auto stage = hwy::AllocateAligned<T>(kChunk);
@@ -246,7 +255,7 @@ void check_narrowing(int kind, bool bf16_insn) {
   auto out = hwy::AllocateAligned<uint16_t>(in.size());
   ASSERT_GT(in.size(), 1000000u);
   for_each_target([&](int64_t) {
-    for (int via = 0; via < 3; ++via) {
+    for (int via = 0; via < 4; ++via) {
       std::fill(out.get(), out.get() + in.size(), uint16_t{0x5555});
       if (!HWY_DYNAMIC_DISPATCH(moegrad::Narrow)(kind, via, in.data(), out.get(), in.size())) {
         continue;
