@@ -205,6 +205,14 @@ struct BackwardScalars {
   float rsf, eps;
 };
 
+// grad_x of one vector of a row from its scores x, the scattered slot gradients g and the
+// row's softmax dot product: sigmoid x(1 - x)g, softmax x(g - dot), sqrt-softplus n'(x)g (§1).
+HWY_INLINE VF SlotGradValue(DF d, int64_t norm_type, VF x, VF g, VF dot) {
+  if (norm_type == 1) return hn::Mul(hn::Mul(x, hn::Sub(hn::Set(d, 1.0f), x)), g);
+  if (norm_type == 0) return hn::Mul(x, hn::Sub(g, dot));
+  return hn::Mul(SqrtSoftplusGrad(d, x), g);
+}
+
 // The slot scalars of one row: gp[k * stride] = g'_k and *dot (softmax only) from the row's
 // scores xr and expert ids er; gs holds the row's grad_y in fp32 and is scaled by rsf in place;
 // w is scratch for the K selected scores.
@@ -430,11 +438,7 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
         }
       }
       const VF dv = hn::Set(d, dots[i]);
-      auto value = [&](VF x, VF gv) {
-        if (norm_type == 1) return hn::Mul(hn::Mul(x, hn::Sub(hn::Set(d, 1.0f), x)), gv);
-        if (norm_type == 0) return hn::Mul(x, hn::Sub(gv, dv));
-        return hn::Mul(SqrtSoftplusGrad(d, x), gv);
-      };
+      auto value = [&](VF x, VF gv) { return SlotGradValue(d, norm_type, x, gv, dv); };
       T* o = gx + r * N;
       for (size_t v = 0; v < NV; ++v) {
         const size_t j = v * L;
@@ -550,11 +554,7 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
       const float* xr = xn + r * N;
       float* Gr = G + i * np;
       const VF dot = hn::Set(d, dots[i]);
-      auto value = [&](VF x, VF g) {
-        if (norm_type == 1) return hn::Mul(hn::Mul(x, hn::Sub(hn::Set(d, 1.0f), x)), g);
-        if (norm_type == 0) return hn::Mul(x, hn::Sub(g, dot));
-        return hn::Mul(SqrtSoftplusGrad(d, x), g);
-      };
+      auto value = [&](VF x, VF g) { return SlotGradValue(d, norm_type, x, g, dot); };
       T* o = gx + r * N;
       // The same row of the next batch: phase A reads a few random elements of each of its
       // rows before this loop streams them, which the hardware prefetcher does not follow.
