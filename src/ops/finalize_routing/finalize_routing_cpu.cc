@@ -252,11 +252,11 @@ void finalize_grad_rows(const FinalizeRoutingGradPlan& p, const int32_t* idx,
   float* g = ws.get<float>(p.ws_g, tid);  // H, padded to whole vectors with +0
   const size_t Hv = H / L * L;
   std::fill(g + Hv, g + Hv + L, 0.0f);
-  // Whole blocks of 64 columns keep the 64 partial sums in kU registers where that is at
-  // most 8 vectors (AVX-512: 4, AVX2: 8) and read g from the grad_y row; the columns after
-  // them (and every column on narrower targets) go through the g buffer and rows::Dot.
+  // On 16-lane targets (AVX-512) whole blocks of 64 columns keep the 64 partial sums in
+  // kU = 4 registers and read g from the grad_y row; the columns after them (and every column
+  // on the other targets) go through the g buffer and rows::Dot.
   constexpr size_t kU = rows::kDotLanes / hn::MaxLanes(DF());
-  constexpr bool kReg = kU <= 8 && kU * hn::MaxLanes(DF()) == rows::kDotLanes;
+  constexpr bool kReg = kU == 4 && kU * hn::MaxLanes(DF()) == rows::kDotLanes;
   const size_t H64 = kReg && L * kU == rows::kDotLanes ? H / rows::kDotLanes * rows::kDotLanes
                                                         : 0;
 
