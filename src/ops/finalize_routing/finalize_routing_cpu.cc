@@ -89,8 +89,8 @@ void forward_slots(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
 // token's slot table, whose row starts are prefetched near the end of the current rows.
 template <size_t U, bool kTail, typename T>
 HWY_INLINE void forward_block(DF d, const T* a1, const T* a2, const SlotRef* t,
-                              const SlotRef* next, int64_t K, size_t row_bytes, size_t j,
-                              size_t n, VF* acc) {
+                              const SlotRef* next, int64_t K, size_t row_bytes, bool prefetch,
+                              size_t j, size_t n, VF* acc) {
   const size_t L = hn::Lanes(d);
   auto load = [&](const T* q) { return kTail ? LoadFN(d, q, n) : LoadF(d, q); };
   for (size_t u = 0; u < U; ++u) acc[u] = a1 ? load(a1 + j + u * L) : hn::Zero(d);
@@ -102,9 +102,11 @@ HWY_INLINE void forward_block(DF d, const T* a1, const T* a2, const SlotRef* t,
     const T* b = static_cast<const T*>(t[k].b);
     const VF s = hn::Set(d, t[k].s);
     if (x) {
-      const void* nx = next ? next[k].x : nullptr;
-      for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
-        rows::PrefetchAhead(x, nx, row_bytes, j * sizeof(T) + off);
+      if (prefetch) {
+        const void* nx = next ? next[k].x : nullptr;
+        for (size_t off = 0; off < U * L * sizeof(T); off += 64) {
+          rows::PrefetchAhead(x, nx, row_bytes, j * sizeof(T) + off);
+        }
       }
       if (b) {
         for (size_t u = 0; u < U; ++u) {
@@ -132,6 +134,9 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
   T* out = typed<T>(p.out);
   // Non-temporal stores only for outputs too large to stay in the cache (L87).
   const bool big = stream_output(mul_sat(p.R, static_cast<int64_t>(row_bytes)));
+  // No software prefetch for K rows of fp32 (K >= 8; 16-bit rows from K >= 16) read at once,
+  // as in the init routing grad (docs/decisions.md L114, L118).
+  const bool prefetch = K * static_cast<int64_t>(sizeof(T)) < 32;
   SlotRef* tabs = ws.get<SlotRef>(p.ws_slots, tid);  // two tables of K slots: this token, next
   if (begin < end) forward_slots<T, S>(p, idx, eidx, begin, tabs);
   for (int64_t r = begin; r < end; ++r) {
@@ -144,7 +149,7 @@ void finalize_rows(const FinalizeRoutingPlan& p, const int32_t* idx, const int32
     rows::WriteRow(d, out + r * static_cast<int64_t>(H), H, big,
                    [&](auto U, auto tail, size_t j, size_t n, VF* acc) {
                      forward_block<decltype(U)::value, decltype(tail)::value>(
-                         d, a1, a2, t, nt, K, row_bytes, j, n, acc);
+                         d, a1, a2, t, nt, K, row_bytes, prefetch, j, n, acc);
                    });
   }
   hwy::FlushStream();
