@@ -232,6 +232,19 @@ HWY_INLINE void StreamF(DF d, VF v, T* HWY_RESTRICT p) {
   }
 }
 
+#if MOEGRAD_SIMD_AVX512
+// v0 and v1 narrowed to bf16 by one VCVTNE2PS2BF16 into r (v0's lanes in the low half, v1's in
+// the high half; AVX512-BF16: only where simd_detail::use_avx512bf16). False, with r unset,
+// when a lane of either is denormal: the rule of Bf16Bits (the instruction flushes those).
+HWY_INLINE bool Bf16x2(VF v0, VF v1, __m512i& r) {
+  if ((_mm512_fpclass_ps_mask(v0.raw, 0x20) | _mm512_fpclass_ps_mask(v1.raw, 0x20)) != 0) {
+    return false;  // 0x20: denormal
+  }
+  asm("vcvtne2ps2bf16 {%2, %1, %0|%0, %1, %2}" : "=v"(r) : "v"(v1.raw), "v"(v0.raw));
+  return true;
+}
+#endif
+
 // Whether rows at p can be written with StreamF2 for their pairs of whole vectors.
 template <typename T>
 HWY_INLINE bool Stream2Aligned(const T* p) {
@@ -254,12 +267,9 @@ HWY_INLINE void StreamF2(DF d, VF v0, VF v1, T* HWY_RESTRICT p) {
   } else {
 #if MOEGRAD_SIMD_AVX512
     if constexpr (std::is_same_v<T, bf16_t>) {
-      // Both vectors in one VCVTNE2PS2BF16 (v1's lanes in the upper half), under the rule of
-      // Bf16Bits: only when no lane of either is denormal.
-      if (simd_detail::use_avx512bf16.load(std::memory_order_relaxed) &&
-          (_mm512_fpclass_ps_mask(v0.raw, 0x20) | _mm512_fpclass_ps_mask(v1.raw, 0x20)) == 0) {
-        __m512i r;
-        asm("vcvtne2ps2bf16 {%2, %1, %0|%0, %1, %2}" : "=v"(r) : "v"(v1.raw), "v"(v0.raw));
+      // Both vectors in one VCVTNE2PS2BF16 when no lane of either is denormal.
+      __m512i r;
+      if (simd_detail::use_avx512bf16.load(std::memory_order_relaxed) && Bf16x2(v0, v1, r)) {
         _mm512_stream_si512(reinterpret_cast<__m512i*>(p), r);
         return;
       }

@@ -63,18 +63,15 @@ HWY_INLINE VF SwigluValue(DF d, VF a, VF b, VF w) {
 }
 
 #if MOEGRAD_SIMD_AVX512
-// Two vectors narrowed to bf16 by one VCVTNE2PS2BF16 (AVX512-BF16: only where
+// Two vectors narrowed to bf16 by Bf16x2 (one VCVTNE2PS2BF16; AVX512-BF16: only where
 // simd_detail::use_avx512bf16) and written as one 64-byte store, non-temporal with kStream (p
 // then 64-byte aligned). Returns false, writing nothing, when a lane is denormal (the instruction
 // flushes those, L70): the caller then stores with StoreF / StreamF2, which give the same bits
 // for the other lanes.
 template <bool kStream>
 HWY_INLINE bool TryStoreBf16x2(VF v0, VF v1, bf16_t* HWY_RESTRICT p) {
-  const __mmask16 sub0 = _mm512_fpclass_ps_mask(v0.raw, 0x20);  // 0x20: denormal
-  const __mmask16 sub1 = _mm512_fpclass_ps_mask(v1.raw, 0x20);
-  if (HWY_UNLIKELY(!_kortestz_mask16_u8(sub0, sub1))) return false;
-  __m512i r;  // bf16 of v0 in the low half, of v1 in the high half
-  asm("vcvtne2ps2bf16 {%2, %1, %0|%0, %1, %2}" : "=v"(r) : "v"(v1.raw), "v"(v0.raw));
+  __m512i r;
+  if (HWY_UNLIKELY(!Bf16x2(v0, v1, r))) return false;
   if constexpr (kStream) {
     _mm512_stream_si512(reinterpret_cast<__m512i*>(p), r);
   } else {
