@@ -399,6 +399,10 @@ void BM_Op(benchmark::State& state, Op op, const Model& m, DType dt) {
   size_t n_sets = static_cast<size_t>((4 * llc + static_cast<int64_t>(bytes) - 1) /
                                       std::max<int64_t>(static_cast<int64_t>(bytes), 1));
   n_sets = std::min<size_t>(std::max<size_t>(n_sets, bytes < size_t(8 * llc) ? 2 : 1), 1024);
+  // MOEGRAD_BENCH_SETS=1: one buffer set, i.e. in cache where it fits (compute cost alone).
+  if (const char* env = std::getenv("MOEGRAD_BENCH_SETS")) {
+    n_sets = std::max<size_t>(1, std::strtoul(env, nullptr, 10));
+  }
   for (size_t i = 1; i < n_sets; ++i) sets.push_back(make_set(op, m, dt, T, i + 1));
   for (auto& s : sets) s->exec->run(s->workspace.data(), s->workspace.size(), nullptr);  // warm-up
   size_t i = 0;
