@@ -249,13 +249,16 @@ def _gating_backward_emulated(xn, gy, e, renorm, norm_type, rsf, eps):
 
 @DTYPES
 @pytest.mark.parametrize("N,K", [(2, 1), (2, 2), (16, 2), (17, 4), (32, 4), (33, 16), (48, 8),
-                                 (64, 8), (64, 17), (100, 40), (256, 8), (257, 3)])
+                                 (64, 8), (64, 17), (65, 2), (100, 40), (128, 4), (200, 8),
+                                 (256, 4), (256, 8), (257, 3), (257, 8)])
 @pytest.mark.parametrize("norm_type,renorm", [(1, 0), (0, 1), (0, 0)])
 def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renorm, rng):
     # 70 rows: whole batches of a vector's worth of rows (the slot scalars one row per lane;
     # on AVX-512 with K in {2, 4, 8} and N <= 64 built by lane permutations, G in registers)
     # and rows after them, at 1, 2 and 3 threads; with 5 threads (14-row chunks) no whole
-    # batch on AVX-512. N = 257 and K > 16 rows take the one-row form.
+    # batch on AVX-512. On AVX-512, 64 < N <= 256 with K in {2, 4, 8} takes batches with
+    # gathered scores and a G tile (L120; N = 65, 200: row tails after the bf16 pairs); N = 257,
+    # other K and K > 16 rows take the pipelined one-row form (L119).
     M = 70
     logits = randn((M, N), F32, rng)
     xn = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, dim=1)
@@ -268,6 +271,35 @@ def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renor
             poison(gx)
             moegrad._C.moe_gating_top_k_backward(xn, gy, e, renorm, norm_type, 1.5, 1e-9, gx)
             assert torch.equal(_bits(gx), want), f"{nt} threads: not the fp32 operation order"
+
+
+@DTYPES
+@pytest.mark.parametrize("N,K", [(32, 4), (96, 2), (256, 8), (257, 8)])
+@pytest.mark.parametrize("norm_type,renorm", [(1, 0), (0, 1)])
+def test_gating_backward_denormal_outputs_exact(dtype, N, K, norm_type, renorm, rng):
+    # Scores down to 1e-44 and gradients down to 1e-30 in half of the rows: denormal and zero
+    # results, so some output vector pairs have denormal lanes (bf16 pairs then leave
+    # VCVTNE2PS2BF16, which flushes them, for the per-vector path; L117, L121) and others not.
+    M = 70
+    logits = randn((M, N), F32, rng)
+    xn = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, dim=1)
+    scale = torch.from_numpy(10.0 ** -rng.uniform(0, 44, (M, N))).to(F32)
+    scale[::2] = 1.0
+    xn = (xn * scale).contiguous()
+    gscale = torch.from_numpy(10.0 ** -rng.uniform(0, 30, (M, 1))).to(F32)
+    gscale[::2] = 1.0
+    gy = (randn((M, K), F32, rng) * gscale).to(dtype)
+    e = rand_expert_idx(M, K, N, rng, distinct=False)
+    want = _bits(_gating_backward_emulated(xn, gy, e, renorm, norm_type, 1.5, 1e-9).to(dtype))
+    got_f32 = _gating_backward_emulated(xn, gy, e, renorm, norm_type, 1.5, 1e-9)
+    tiny = (got_f32 != 0) & (got_f32.abs() < torch.finfo(F32).tiny)
+    assert tiny.any(), "no denormal output: the test would not reach the per-vector path"
+    for nt in THREADS:
+        with threads(nt):
+            gx = torch.empty((M, N), dtype=dtype)
+            poison(gx)
+            moegrad._C.moe_gating_top_k_backward(xn, gy, e, renorm, norm_type, 1.5, 1e-9, gx)
+            assert torch.equal(_bits(gx), want), f"{nt} threads: denormal outputs differ"
 
 
 # --------------------------------------------------------------------------------------------
