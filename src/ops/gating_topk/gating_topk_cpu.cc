@@ -542,12 +542,13 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
 
 // Rows of 64 < N <= 256 experts (DeepSeek-V3: N = 256, K = 8), 16 at a time as in Rows, with
 // the selected scores fetched by one masked hardware gather per row-major vector (a row does
-// not fit a lane permutation) and G built in a tile of 16 rows, scattered after the batch's
-// slot arithmetic and read back by RowOut (docs/decisions.md L120). The one-row form did 2K
-// dependent scalar divisions and two sums of K terms in a chain per row; here they serve 16
-// rows. Each row of the batch prefetches the same row of the next batch as it goes, so the
-// gathers of the next batch find their rows in the cache (the hardware prefetcher does not
-// follow reads that come before the sequential pass). Same operations, same order, same bits.
+// not fit a lane permutation); docs/decisions.md L120. The one-row form did 2K dependent scalar
+// divisions and two sums of K terms in a chain per row; here they serve 16 rows. Each row's G
+// is scattered into one of two G rows while the row before it is written out (as in OneRows);
+// a tile of the batch's 16 G rows (16 KB) with the batch's x_norm rows and outputs overflowed
+// L1 and was slower. Each row also prefetches the same row of the next batch, whose gathers
+// come before its sequential pass (the hardware prefetcher does not follow them). Same
+// operations in the same order, so the same bits.
 constexpr int64_t kWideExperts = 256;
 
 template <size_t K, typename T>
@@ -566,8 +567,8 @@ HWY_NOINLINE void Wide(const GatingTopKBackwardPlan& p, const BackwardScalars& c
   const VI below = hn::Set(di, static_cast<int32_t>(N));
   const VI none = hn::Set(di, -1);
   const bool x2 = UseBf16x2<T>();
-  HWY_ALIGN float G[L * kWideExperts];  // the batch's G rows, +0 between batches
-  std::fill(G, G + L * np, 0.0f);
+  HWY_ALIGN float G[2 * kWideExperts];  // two G rows, +0 between rows
+  std::fill(G, G + 2 * np, 0.0f);
   HWY_ALIGN float gpt[K * L];   // [k][lane]: g'_k of the batch's rows
   HWY_ALIGN int32_t et[K * L];  // [k][lane]: their ids
   HWY_ALIGN float dots[L];
@@ -607,18 +608,22 @@ HWY_NOINLINE void Wide(const GatingTopKBackwardPlan& p, const BackwardScalars& c
       hn::Store(gp[k], d, gpt + k * L);
       hn::Store(e[k], di, et + k * L);
     }
-    for (size_t i = 0; i < L; ++i) {  // scatter-add (D1), slot order
-      float* Gr = G + i * np;
+    // Row i's G into G row i & 1 (scatter-add, D1, slot order), one row ahead of its use.
+    auto scatter = [&](size_t i) {
+      float* Gr = G + (i & 1) * np;
       for (size_t k = 0; k < K; ++k) {
         const int32_t ek = et[k * L + i];
         if (ek >= 0 && ek < N) Gr[ek] += gpt[k * L + i];
       }
-    }
+    };
+    scatter(0);
     for (size_t i = 0; i < L; ++i) {
+      if (i + 1 < L) scatter(i + 1);
       const int64_t r = r0 + static_cast<int64_t>(i);
       const float* xr = xn + r * N;
+      // The same row of the next batch, whose gathers come before its sequential pass.
       const float* ahead = r + Lr < end ? xr + L * Nz : nullptr;
-      RowOut(d, c.norm_type, xr, G + i * np, dots[i], gx + r * N, Nz, x2, ahead);
+      RowOut(d, c.norm_type, xr, G + (i & 1) * np, dots[i], gx + r * N, Nz, x2, ahead);
     }
   }
 }
