@@ -194,7 +194,9 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
 // forwarding; the earlier kernel built G in registers with a compare and a masked add per slot
 // and vector for that reason). Each row leaves its G row +0 again. Rows past the last
 // whole batch, and rows of more than kBatchSlots slots or kBatchExperts experts, take the
-// one-row form of the same arithmetic.
+// one-row form of the same arithmetic (OneRows, software-pipelined, L119). On AVX-512 the
+// batches of K in {2, 4, 8} slots and up to 256 experts are built in registers instead
+// (reg::Rows, reg::Wide; L110, L120).
 constexpr int64_t kBatchSlots = 16;
 constexpr int64_t kBatchExperts = 64;
 constexpr size_t kBatchRows = 16;  // at most Lanes(d) rows a batch (AVX-512)
