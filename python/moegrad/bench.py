@@ -897,7 +897,7 @@ def targets_markdown(records: List[dict]) -> str:
              f"eager and ≥ {TARGET_COMPILE_BWD:g}× compile; forward ≥ {TARGET_COMPILE_FWD:g}× "
              "compile); ✗ marks a miss:", "",
              "| op | model | dtype | kernel GB/s | copy GB/s | roofline | vs eager | vs compile "
-             "|", "|---|---|---|---:|---:|---:|---:|---:|"]
+             "| in cache GB/s |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     met = total = 0
     for r in rows:
         t = target_checks(r)
@@ -914,9 +914,17 @@ def targets_markdown(records: List[dict]) -> str:
         eag = cell(f"{r['speedup_eager']:.1f}×", t["eager"])
         cmp_txt = "–" if cmp_ is None else cell(f"{cmp_:.1f}×", t["compile"])
         low = "*" if r.get("copy_low") else ""
+        c = r.get("in_cache")
+        cache = "" if c is None else (f"{c['gbps']:.1f} (T={c['T']}"
+                                      + (", compute-bound)" if c["compute_bound"] else ")"))
         lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['gbps']:.1f} | "
-                     f"{r['copy_gbps']:.1f}{low} | {roof} | {eag} | {cmp_txt} |")
+                     f"{r['copy_gbps']:.1f}{low} | {roof} | {eag} | {cmp_txt} | {cache} |")
     lines += ["", f"{met} of {total} target checks met."]
+    if any(r.get("in_cache") for r in rows):
+        lines += ["", "In cache: a roofline miss's kernel on one buffer set at the largest "
+                  f"halving of T that moves at most {IN_CACHE_LLC_FRACTION:g} × LLC (its "
+                  "compute alone); compute-bound where that rate is below "
+                  f"{TARGET_ROOF:.2f} × the run's reference copy bandwidth."]
     return "\n".join(lines) + "\n"
 
 
@@ -1133,6 +1141,43 @@ def remeasure_low_copy(records: List[dict], cases_run: List[Tuple["Case", bool]]
     sys.stdout.flush()
 
 
+IN_CACHE_LLC_FRACTION = 0.25   # in-cache probe: a call's bytes at most this x LLC
+
+
+def in_cache_tokens(op: str, model: str, dtype: str, tokens: int, limit: int) -> int:
+    """The token count, `tokens` halved until the case moves at most `limit` bytes (>= 16)."""
+    t = tokens
+    while t > 16 and build_case(op, model, dtype, t).bytes > limit:
+        t //= 2
+    return t
+
+
+def probe_in_cache(records: List[dict], llc: int, budget: Budget, seed: int,
+                   ref_copy: float) -> None:
+    """The kernel's rate with its data in cache, for every record at TARGET_TOKENS that misses
+    its roofline target: the same op, model and dtype at the largest halving of T whose call
+    moves at most IN_CACHE_LLC_FRACTION x LLC, one buffer set, so every call finds its inputs
+    in the cache. That rate is the kernel's compute alone; below TARGET_ROOF x `ref_copy` (the
+    run's reference copy bandwidth) the miss is a compute bound, not a memory one. Stored as
+    the record's `in_cache` (T, bytes, ms_kernel, gbps, compute_bound)."""
+    for r in records:
+        if r["shape"]["T"] != TARGET_TOKENS or target_checks(r)["roofline"] is not False:
+            continue
+        t = in_cache_tokens(r["op"], r["model"], r["dtype"], r["shape"]["T"],
+                            int(IN_CACHE_LLC_FRACTION * llc))
+        case = build_case(r["op"], r["model"], r["dtype"], t)
+        data = case.make(torch.Generator().manual_seed(seed))
+        call = functools.partial(getattr(_C, case.op), *data.native_args)
+        med, _ = time_interleaved({"kernel": [call]}, budget, None, 1)
+        gbps = case.bytes / med["kernel"] / 1e9
+        r["in_cache"] = dict(T=t, bytes=case.bytes, ms_kernel=1e3 * med["kernel"], gbps=gbps,
+                             compute_bound=gbps < TARGET_ROOF * ref_copy)
+        print(f"in cache: {r['op']} {r['model']} {r['dtype']} T={t} "
+              f"{case.bytes / 1e6:.2f} MB {gbps:.1f} GB/s"
+              + (" (compute-bound)" if r["in_cache"]["compute_bound"] else ""))
+    sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--layer" in argv:
@@ -1227,6 +1272,8 @@ def main(argv=None) -> int:
         # re-measuring may add at most half the run's time (and at least a minute)
         remeasure_low_copy(records, cases_run, args, llc, budget, probe, rounds, meta,
                            budget_s=max(60.0, 0.5 * (time.time() - t_start)))
+        if records:
+            probe_in_cache(records, llc, budget, args.seed, meta["copy_gbps_reference"])
         meta["summary"] = summarize(records)
         if records:
             print_summary(meta["summary"])

@@ -411,3 +411,38 @@ def test_target_checks_follow_the_issue_targets():
     md = bench.targets_markdown([rec("moe_init_routing_grad", 0.71, 4.1, 1.49),
                                  rec("moe_gating_top_k", 0.01, 1.0, None)])
     assert "1.5× ✗" in md and "exempt" in md and "2 of 3 target checks met." in md
+
+
+def test_probe_in_cache_measures_the_roofline_misses(monkeypatch):
+    """Only records at TARGET_TOKENS that miss the roofline target get an in-cache rate: the
+    same case at T halved until it moves <= IN_CACHE_LLC_FRACTION x LLC, its kernel timed on
+    one buffer set; compute-bound when that rate is below TARGET_ROOF x the reference copy."""
+    T = bench.TARGET_TOKENS
+
+    def rec(op, roof):
+        return dict(op=op, model="gpt_oss", dtype="bf16", shape=dict(T=T), roofline_frac=roof,
+                    speedup_eager=9.0, speedup_compile=9.0, gbps=1.0, copy_gbps=2.0,
+                    ms_kernel=1.0)
+
+    miss, met = rec("swiglu_group", 0.5), rec("moe_finalize_routing", 0.9)
+    exempt = rec("moe_gating_top_k", 0.01)
+    llc = 32 << 20
+    timed = []
+
+    def fake_time(methods, budget, probe, rounds):
+        (fns,) = methods.values()
+        fns[0]()  # the real native call on the small case
+        timed.append(len(fns))
+        return {"kernel": 1e-3}, []
+
+    monkeypatch.setattr(bench, "time_interleaved", fake_time)
+    bench.probe_in_cache([miss, met, exempt], llc, bench.Budget(), 1, ref_copy=80.0)
+    assert timed == [1] and "in_cache" not in met and "in_cache" not in exempt
+    c = miss["in_cache"]
+    limit = int(bench.IN_CACHE_LLC_FRACTION * llc)
+    assert c["bytes"] <= limit < bench.build_case("swiglu_group", "gpt_oss", "bf16",
+                                                   2 * c["T"]).bytes
+    assert c["gbps"] == pytest.approx(c["bytes"] / 1e-3 / 1e9)
+    assert c["compute_bound"] == (c["gbps"] < bench.TARGET_ROOF * 80.0)
+    md = bench.targets_markdown([miss, met])
+    assert f"(T={c['T']}" in md and "In cache:" in md

@@ -249,13 +249,16 @@ def _gating_backward_emulated(xn, gy, e, renorm, norm_type, rsf, eps):
 
 @DTYPES
 @pytest.mark.parametrize("N,K", [(2, 1), (2, 2), (16, 2), (17, 4), (32, 4), (33, 16), (48, 8),
-                                 (64, 8), (64, 17), (100, 40), (256, 8), (257, 3)])
+                                 (64, 8), (64, 17), (65, 2), (100, 40), (128, 4), (200, 8),
+                                 (256, 4), (256, 8), (257, 3), (257, 8)])
 @pytest.mark.parametrize("norm_type,renorm", [(1, 0), (0, 1), (0, 0)])
 def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renorm, rng):
     # 70 rows: whole batches of a vector's worth of rows (the slot scalars one row per lane;
     # on AVX-512 with K in {2, 4, 8} and N <= 64 built by lane permutations, G in registers)
     # and rows after them, at 1, 2 and 3 threads; with 5 threads (14-row chunks) no whole
-    # batch on AVX-512. N = 257 and K > 16 rows take the one-row form.
+    # batch on AVX-512. On AVX-512, 64 < N <= 256 with K in {2, 4, 8} takes batches with
+    # gathered scores and a G tile (L120; N = 65, 200: row tails after the bf16 pairs); N = 257,
+    # other K and K > 16 rows take the pipelined one-row form (L119).
     M = 70
     logits = randn((M, N), F32, rng)
     xn = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, dim=1)
@@ -268,6 +271,33 @@ def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renor
             poison(gx)
             moegrad._C.moe_gating_top_k_backward(xn, gy, e, renorm, norm_type, 1.5, 1e-9, gx)
             assert torch.equal(_bits(gx), want), f"{nt} threads: not the fp32 operation order"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,K", [(32, 4), (96, 2), (256, 8), (257, 8)])
+@pytest.mark.parametrize("norm_type,renorm", [(1, 0), (0, 1)])
+def test_gating_backward_denormal_outputs_exact(dtype, N, K, norm_type, renorm, rng):
+    # Odd rows: scores of 1e-30 to 1e-45 and gradients down to 1e-30, so their outputs are
+    # denormal, zero or tiny normals, and the output vector pairs of bf16 rows have denormal
+    # lanes: those leave VCVTNE2PS2BF16 (which flushes them) for the per-vector path (L117,
+    # L121). Even rows are ordinary.
+    M = 70
+    logits = randn((M, N), F32, rng)
+    xn = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, dim=1)
+    xn[1::2] = torch.from_numpy(10.0 ** -rng.uniform(30, 45, (M // 2, N))).to(F32)
+    gscale = torch.from_numpy(10.0 ** -rng.uniform(0, 30, (M, 1))).to(F32)
+    gscale[::2] = 1.0
+    gy = (randn((M, K), F32, rng) * gscale).to(dtype)
+    e = rand_expert_idx(M, K, N, rng, distinct=False)
+    exact = _gating_backward_emulated(xn, gy, e, renorm, norm_type, 1.5, 1e-9)
+    want = _bits(exact.to(dtype))
+    assert ((exact != 0) & (exact.abs() < torch.finfo(F32).tiny)).any(), "no denormal output"
+    for nt in THREADS:
+        with threads(nt):
+            gx = torch.empty((M, N), dtype=dtype)
+            poison(gx)
+            moegrad._C.moe_gating_top_k_backward(xn, gy, e, renorm, norm_type, 1.5, 1e-9, gx)
+            assert torch.equal(_bits(gx), want), f"{nt} threads: denormal outputs differ"
 
 
 # --------------------------------------------------------------------------------------------

@@ -194,7 +194,9 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
 // forwarding; the earlier kernel built G in registers with a compare and a masked add per slot
 // and vector for that reason). Each row leaves its G row +0 again. Rows past the last
 // whole batch, and rows of more than kBatchSlots slots or kBatchExperts experts, take the
-// one-row form of the same arithmetic.
+// one-row form of the same arithmetic (OneRows, software-pipelined, L119). On AVX-512 the
+// batches of K in {2, 4, 8} slots and up to 256 experts are built in registers instead
+// (reg::Rows, reg::Wide; L110, L120).
 constexpr int64_t kBatchSlots = 16;
 constexpr int64_t kBatchExperts = 64;
 constexpr size_t kBatchRows = 16;  // at most Lanes(d) rows a batch (AVX-512)
@@ -240,6 +242,37 @@ HWY_INLINE void RowScalars(const BackwardScalars& c, const float* xr, const int3
     for (int64_t k = 0; k < K; ++k) dt += w[k] * gp[k * stride];
   }
   *dot = dt;
+}
+
+// Whether bf16 output pairs go through one VCVTNE2PS2BF16 (AVX512-BF16); read once per call.
+template <typename T>
+HWY_INLINE bool UseBf16x2() {
+#if MOEGRAD_SIMD_AVX512
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    return simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
+  }
+#endif
+  return false;
+}
+
+// Two output vectors at o (2 Lanes(d) elements, any alignment). With x2 (UseBf16x2) bf16 pairs
+// are narrowed by one VCVTNE2PS2BF16 and written with one 64-byte store instead of two flag
+// reads, checks and conversions; a pair with a denormal lane (which the instruction flushes)
+// and every other case take StoreF per vector. Same bits either way (L90, L117).
+template <typename T>
+HWY_INLINE void StorePair(DF d, VF v0, VF v1, T* HWY_RESTRICT o, bool x2) {
+#if MOEGRAD_SIMD_AVX512
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    __m512i r;
+    if (x2 && HWY_LIKELY(Bf16x2(v0, v1, r))) {
+      _mm512_storeu_si512(o, r);
+      return;
+    }
+  }
+#endif
+  (void)x2;
+  StoreF(d, v0, o);
+  StoreF(d, v1, o + hn::Lanes(d));
 }
 
 // RowScalars for the Lanes(d) rows r0 .. r0 + Lanes of a batch at once, lane i = row r0 + i:
@@ -289,6 +322,42 @@ HWY_INLINE void BatchScalars(DF d, const BackwardScalars& c, const float* xn, co
   hn::Store(dot, d, dotb);
 }
 
+// One row's output from its G row Gr (+0 again afterwards) and softmax dot: the vectors of
+// the row, in pairs where bf16 pairs narrow in one instruction (x2), then single vectors and
+// the tail. ahead: the row to prefetch alongside (the batch path), or null.
+template <typename T>
+HWY_INLINE void RowOut(DF d, int64_t norm_type, const float* HWY_RESTRICT xr, float* HWY_RESTRICT Gr,
+                       float dot_s, T* HWY_RESTRICT o, size_t Nz, bool x2,
+                       const float* ahead) {
+  const size_t L = hn::Lanes(d), Nv = Nz / L * L;
+  const VF dot = hn::Set(d, dot_s);
+  auto value = [&](VF x, VF g) { return SlotGradValue(d, norm_type, x, g, dot); };
+  // Each G vector is read once and left +0 for the next row (whole-vector stores: a loop
+  // resetting only the K entries the row touched compiles to a slow vector scatter).
+  auto grad_at = [&](size_t j) {
+    const VF g = hn::Load(d, Gr + j);
+    hn::Store(hn::Zero(d), d, Gr + j);
+    return g;
+  };
+  size_t j = 0;
+  if (x2) {
+    for (; j + 2 * L <= Nz; j += 2 * L) {
+      if (ahead) {
+        hwy::Prefetch(ahead + j);
+        hwy::Prefetch(ahead + j + L);
+      }
+      const VF v0 = value(hn::LoadU(d, xr + j), grad_at(j));
+      const VF v1 = value(hn::LoadU(d, xr + j + L), grad_at(j + L));
+      StorePair(d, v0, v1, o + j, true);
+    }
+  }
+  for (; j < Nv; j += L) {
+    if (ahead) hwy::Prefetch(ahead + j);
+    StoreF(d, value(hn::LoadU(d, xr + j), grad_at(j)), o + j);
+  }
+  if (j < Nz) StoreFN(d, value(LoadFN(d, xr + j, Nz - j), grad_at(j)), o + j, Nz - j);
+}
+
 #if MOEGRAD_SIMD_AVX512
 // AVX-512 batches without scalar passes, for K in {2, 4, 8} slots and N <= 64 experts (GPT-OSS:
 // E = 32, K = 4); docs/decisions.md L110. The batch's ids, selected scores and gradients are
@@ -320,6 +389,30 @@ HWY_INLINE void Deinterleave(D d, V* v) {
       v[2 * s] = e[s];
       v[2 * s + 1] = o[s];
     }
+  }
+}
+
+// The batch arithmetic of BatchScalars, slot vectors in registers: w[k], g[k] = slot k's
+// selected scores and gradients (lane = row); out gp[k] = g'_k and the softmax dot.
+template <size_t K>
+HWY_INLINE void SlotMath(DF d, const BackwardScalars& c, const VF* w, const VF* g, VF* gp,
+                         VF& dot) {
+  const VF rsf = hn::Set(d, c.rsf);
+  VF sum = hn::Zero(d);
+  for (size_t k = 0; k < K; ++k) sum = hn::Add(sum, w[k]);
+  if (c.renorm) {
+    const VF denom = hn::Add(hn::Set(d, c.eps), sum);
+    VF beta = hn::Zero(d);
+    for (size_t k = 0; k < K; ++k) {
+      beta = hn::Add(beta, hn::Mul(hn::Div(w[k], denom), hn::Mul(rsf, g[k])));
+    }
+    for (size_t k = 0; k < K; ++k) gp[k] = hn::Div(hn::Sub(hn::Mul(rsf, g[k]), beta), denom);
+  } else {
+    for (size_t k = 0; k < K; ++k) gp[k] = hn::Mul(rsf, g[k]);
+  }
+  dot = hn::Zero(d);
+  if (c.norm_type == 0) {
+    for (size_t k = 0; k < K; ++k) dot = hn::Add(dot, hn::Mul(w[k], gp[k]));
   }
 }
 
@@ -362,7 +455,7 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
   T* gx = typed<T>(p.grad_x);
   const VI below = hn::Set(di, static_cast<int32_t>(N));
   const VI none = hn::Set(di, -1);
-  const VF rsf = hn::Set(d, c.rsf);
+  const bool x2 = UseBf16x2<T>();
   HWY_ALIGN float gpt[K * L];  // [k][lane]: g'_k of the batch's rows
   HWY_ALIGN int32_t et[K * L];  // [k][lane]: their ids
   HWY_ALIGN float dots[L];
@@ -398,24 +491,8 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
     Deinterleave<K>(d, w);
     Deinterleave<K>(di, e);
     Deinterleave<K>(d, g);
-    // The batch arithmetic of BatchScalars, slot vectors in registers.
-    VF sum = hn::Zero(d);
-    for (size_t k = 0; k < K; ++k) sum = hn::Add(sum, w[k]);
-    VF gp[K];
-    if (c.renorm) {
-      const VF denom = hn::Add(hn::Set(d, c.eps), sum);
-      VF beta = hn::Zero(d);
-      for (size_t k = 0; k < K; ++k) {
-        beta = hn::Add(beta, hn::Mul(hn::Div(w[k], denom), hn::Mul(rsf, g[k])));
-      }
-      for (size_t k = 0; k < K; ++k) gp[k] = hn::Div(hn::Sub(hn::Mul(rsf, g[k]), beta), denom);
-    } else {
-      for (size_t k = 0; k < K; ++k) gp[k] = hn::Mul(rsf, g[k]);
-    }
-    VF dot = hn::Zero(d);
-    if (norm_type == 0) {
-      for (size_t k = 0; k < K; ++k) dot = hn::Add(dot, hn::Mul(w[k], gp[k]));
-    }
+    VF gp[K], dot;
+    SlotMath<K>(d, c, w, g, gp, dot);
     hn::Store(dot, d, dots);
     for (size_t k = 0; k < K; ++k) {
       hn::Store(gp[k], d, gpt + k * L);
@@ -440,7 +517,19 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
       const VF dv = hn::Set(d, dots[i]);
       auto value = [&](VF x, VF gv) { return SlotGradValue(d, norm_type, x, gv, dv); };
       T* o = gx + r * N;
-      for (size_t v = 0; v < NV; ++v) {
+      size_t v = 0;
+      if (x2) {  // bf16 pairs of whole vectors in one conversion (GPT-OSS: the whole row)
+        for (; v + 2 <= NV && (v + 2) * L <= Nz; v += 2) {
+          const size_t j = v * L;
+          if (ahead) {
+            hwy::Prefetch(ahead + j);
+            hwy::Prefetch(ahead + j + L);
+          }
+          StorePair(d, value(hn::LoadU(d, xr + j), G[v]), value(hn::LoadU(d, xr + j + L), G[v + 1]),
+                    o + j, true);
+        }
+      }
+      for (; v < NV; ++v) {
         const size_t j = v * L;
         if (ahead && j < Nz) hwy::Prefetch(ahead + j);
         if (j + L <= Nz) {
@@ -449,6 +538,94 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
           StoreFN(d, value(LoadFN(d, xr + j, Nz - j), G[v]), o + j, Nz - j);
         }
       }
+    }
+  }
+}
+
+// Rows of 64 < N <= 256 experts (DeepSeek-V3: N = 256, K = 8), 16 at a time as in Rows, with
+// the selected scores fetched by one masked hardware gather per row-major vector (a row does
+// not fit a lane permutation); docs/decisions.md L120. The one-row form did 2K dependent scalar
+// divisions and two sums of K terms in a chain per row; here they serve 16 rows. Each row's G
+// is scattered into one of two G rows while the row before it is written out (as in OneRows);
+// a tile of the batch's 16 G rows (16 KB) with the batch's x_norm rows and outputs overflowed
+// L1 and was slower. Each row also prefetches the same row of the next batch, whose gathers
+// come before its sequential pass (the hardware prefetcher does not follow them). Same
+// operations in the same order, so the same bits.
+constexpr int64_t kWideExperts = 256;
+
+template <size_t K, typename T>
+HWY_NOINLINE void Wide(const GatingTopKBackwardPlan& p, const BackwardScalars& c,
+                       const int32_t* idx, int64_t begin, int64_t end) {
+  constexpr size_t L = 16, RPV = L / K;  // rows per row-major vector
+  constexpr int64_t Lr = static_cast<int64_t>(L);
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  using VI = hn::Vec<decltype(di)>;
+  const int64_t N = p.N;
+  const size_t Nz = static_cast<size_t>(N), np = padded(Nz);
+  const float* xn = typed<float>(p.x_norm);
+  const T* gy = typed<T>(p.grad_y);
+  T* gx = typed<T>(p.grad_x);
+  const VI below = hn::Set(di, static_cast<int32_t>(N));
+  const VI none = hn::Set(di, -1);
+  const bool x2 = UseBf16x2<T>();
+  HWY_ALIGN float G[2 * kWideExperts];  // two G rows, +0 between rows
+  std::fill(G, G + 2 * np, 0.0f);
+  HWY_ALIGN float gpt[K * L];   // [k][lane]: g'_k of the batch's rows
+  HWY_ALIGN int32_t et[K * L];  // [k][lane]: their ids
+  HWY_ALIGN float dots[L];
+  HWY_ALIGN float gsb[K * L];   // grad_y of a batch, fp32, row-major
+  // Lane l of row-major vector m is a slot of batch row m RPV + l / K: that row's offset.
+  HWY_ALIGN int32_t off[K * L];
+  for (size_t m = 0; m < K; ++m) {
+    for (size_t l = 0; l < L; ++l) off[m * L + l] = static_cast<int32_t>((m * RPV + l / K) * Nz);
+  }
+  for (int64_t r0 = begin; r0 + Lr <= end; r0 += Lr) {
+    const int32_t* ib = idx + r0 * static_cast<int64_t>(K);
+    if (r0 + 2 * Lr <= end) {  // the next batch's ids and gradients
+      const char* ni = reinterpret_cast<const char*>(ib + L * K);
+      const char* ng = reinterpret_cast<const char*>(gy + (r0 + Lr) * static_cast<int64_t>(K));
+      for (size_t b = 0; b < L * K * sizeof(int32_t); b += 64) hwy::Prefetch(ni + b);
+      for (size_t b = 0; b < L * K * sizeof(T); b += 64) hwy::Prefetch(ng + b);
+    }
+    load_chunk(gy + r0 * static_cast<int64_t>(K), gsb, L * K);
+    const float* xb = xn + r0 * N;
+    VI e[K];
+    VF w[K], g[K];
+    for (size_t m = 0; m < K; ++m) {
+      e[m] = hn::LoadU(di, ib + m * L);
+      g[m] = hn::Load(d, gsb + m * L);
+      // Out-of-range device indices select +0 (never read or written out of bounds).
+      const auto valid = hn::And(hn::Gt(e[m], none), hn::Lt(e[m], below));
+      const VI at = hn::Add(hn::Load(di, off + m * L), e[m]);
+      w[m].raw = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid.raw, at.raw, xb, 4);
+    }
+    Deinterleave<K>(d, w);
+    Deinterleave<K>(di, e);
+    Deinterleave<K>(d, g);
+    VF gp[K], dot;
+    SlotMath<K>(d, c, w, g, gp, dot);
+    hn::Store(dot, d, dots);
+    for (size_t k = 0; k < K; ++k) {
+      hn::Store(gp[k], d, gpt + k * L);
+      hn::Store(e[k], di, et + k * L);
+    }
+    // Row i's G into G row i & 1 (scatter-add, D1, slot order), one row ahead of its use.
+    auto scatter = [&](size_t i) {
+      float* Gr = G + (i & 1) * np;
+      for (size_t k = 0; k < K; ++k) {
+        const int32_t ek = et[k * L + i];
+        if (ek >= 0 && ek < N) Gr[ek] += gpt[k * L + i];
+      }
+    };
+    scatter(0);
+    for (size_t i = 0; i < L; ++i) {
+      if (i + 1 < L) scatter(i + 1);
+      const int64_t r = r0 + static_cast<int64_t>(i);
+      const float* xr = xn + r * N;
+      // The same row of the next batch, whose gathers come before its sequential pass.
+      const float* ahead = r + Lr < end ? xr + L * Nz : nullptr;
+      RowOut(d, c.norm_type, xr, G + (i & 1) * np, dots[i], gx + r * N, Nz, x2, ahead);
     }
   }
 }
@@ -462,6 +639,8 @@ HWY_INLINE bool RowsK(const GatingTopKBackwardPlan& p, const BackwardScalars& c,
     Rows<K, 2, T>(p, c, idx, begin, end);
   } else if (p.N <= 64) {
     Rows<K, 4, T>(p, c, idx, begin, end);
+  } else if (p.N <= kWideExperts) {
+    Wide<K, T>(p, c, idx, begin, end);
   } else {
     return false;
   }
@@ -472,7 +651,7 @@ HWY_INLINE bool RowsK(const GatingTopKBackwardPlan& p, const BackwardScalars& c,
 template <typename T>
 HWY_INLINE int64_t Batches(const GatingTopKBackwardPlan& p, const BackwardScalars& c,
                            const int32_t* idx, int64_t begin, int64_t end) {
-  if (hn::Lanes(DF()) != 16 || p.N > 64) return begin;
+  if (hn::Lanes(DF()) != 16 || p.N > kWideExperts) return begin;
   const int64_t stop = begin + (end - begin) / 16 * 16;
   bool done = false;
   switch (p.K) {
@@ -487,13 +666,60 @@ HWY_INLINE int64_t Batches(const GatingTopKBackwardPlan& p, const BackwardScalar
 }  // namespace reg
 #endif  // MOEGRAD_SIMD_AVX512
 
+// Rows [begin, end) one at a time, software-pipelined over two G rows: the slot scalars of row
+// r + 1 and their scatter into one G row come before the vector pass of row r over the other.
+// The scatter's scalar stores cannot be forwarded to the wide vector loads of G; a load that
+// overlaps an unretired narrow store waits for it to commit, so reading G right after the
+// scatter serialised each row's vector pass behind its own scalar chain (2K divisions) and
+// the previous row's pass. One row later the stores have long committed, and the scalar chain
+// of one row overlaps the vector pass of the other (docs/decisions.md L119).
+template <typename T>
+void OneRows(const GatingTopKBackwardPlan& p, const BackwardScalars& c, const int32_t* idx,
+             int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  const DF d;
+  const int64_t N = p.N, K = p.K;
+  const size_t Nz = static_cast<size_t>(N), np = padded(Nz);
+  const float* xn = typed<float>(p.x_norm);
+  const T* gy = typed<T>(p.grad_y);
+  T* gx = typed<T>(p.grad_x);
+  const bool x2 = UseBf16x2<T>();
+  // N <= 2048 (validated): the row scratch fits the stack, so this op needs no workspace with
+  // int32 indices (C callers may pass none, as its size is then 0). Two G rows, padded with +0
+  // to whole vectors; all +0 between rows.
+  HWY_ALIGN float G[2 * kMaxExpertsCpu];
+  std::fill(G, G + 2 * np, 0.0f);
+  float w[kMaxExpertsCpu], gs[kMaxExpertsCpu], gp[kMaxExpertsCpu];
+  // Row r's slot scalars, scattered into Gr (slot order, repeats summed: D1); its dot.
+  auto prepare = [&](int64_t r, float* Gr) {
+    load_chunk(gy + r * K, gs, static_cast<size_t>(K));
+    const int32_t* er = idx + r * K;
+    float dot;
+    RowScalars(c, xn + r * N, er, N, K, w, gs, gp, 1, &dot);
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = er[k];
+      // Out-of-range device indices are skipped (never read or written out of bounds).
+      if (e >= 0 && e < N) Gr[e] += gp[k];
+    }
+    return dot;
+  };
+  float dot = prepare(begin, G);
+  for (int64_t r = begin; r < end; ++r) {
+    float* Gc = G + static_cast<size_t>((r - begin) & 1) * np;
+    float* Gn = G + static_cast<size_t>((r - begin + 1) & 1) * np;
+    const float next = r + 1 < end ? prepare(r + 1, Gn) : 0.0f;
+    RowOut(d, c.norm_type, xn + r * N, Gc, dot, gx + r * N, Nz, x2, nullptr);
+    dot = next;
+  }
+}
+
 template <typename T>
 void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t begin,
                   int64_t end) {
   const DF d;
   const size_t L = hn::Lanes(d);
   const int64_t N = p.N, K = p.K;
-  const size_t Nz = static_cast<size_t>(N), Nv = Nz / L * L;
+  const size_t Nz = static_cast<size_t>(N);
   const int64_t norm_type = p.attrs.norm_type;
   const BackwardScalars c{norm_type != 0 || p.attrs.renorm == 1, norm_type,
                           static_cast<float>(p.attrs.routed_scaling_factor),
@@ -501,32 +727,26 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
 #if MOEGRAD_SIMD_AVX512
   begin = reg::Batches<T>(p, c, idx, begin, end);
 #endif
-  const float* xn = typed<float>(p.x_norm);
-  const T* gy = typed<T>(p.grad_y);
-  T* gx = typed<T>(p.grad_x);
-  // N <= 2048 (validated): the row scratch fits the stack, so this op needs no workspace with
-  // int32 indices (C callers may pass none, as its size is then 0).
-  const size_t np = padded(Nz);
   const bool batch = K <= kBatchSlots && N <= kBatchExperts && L <= kBatchRows;
-  // The G rows (one per batch row; one row of up to 2048 experts without batches), padded
-  // with +0 to whole vectors; all +0 between rows.
-  HWY_ALIGN float G[kBatchRows * kBatchExperts + kMaxExpertsCpu];
-  std::fill(G, G + (batch ? L : 1) * np, 0.0f);
-  float w[kMaxExpertsCpu], gs[kMaxExpertsCpu];
-  // The slot scalars of up to Lanes rows: [k][lane] (stride L) for a batch, [k] for one row.
-  HWY_ALIGN float gp[kMaxExpertsCpu + kMaxFloatLanes];
-  HWY_ALIGN float dots[kMaxFloatLanes];
-  HWY_ALIGN float gsb[kBatchSlots * kMaxFloatLanes];  // grad_y of a batch, fp32, row-major
-
-  for (int64_t r0 = begin; r0 < end;) {
-    const bool whole = batch && end - r0 >= static_cast<int64_t>(L);
-    const int64_t nb = whole ? static_cast<int64_t>(L) : 1;
-    const size_t stride = whole ? L : 1;
-    if (whole) {
+  const int64_t Lr = static_cast<int64_t>(L);
+  if (batch && end - begin >= Lr) {
+    const float* xn = typed<float>(p.x_norm);
+    const T* gy = typed<T>(p.grad_y);
+    T* gx = typed<T>(p.grad_x);
+    const bool x2 = UseBf16x2<T>();
+    const size_t np = padded(Nz);
+    // The G rows of a batch, padded with +0 to whole vectors; all +0 between batches.
+    HWY_ALIGN float G[kBatchRows * kBatchExperts];
+    std::fill(G, G + L * np, 0.0f);
+    HWY_ALIGN float gp[kBatchSlots * kMaxFloatLanes];  // [k][lane]: g'_k of the batch's rows
+    HWY_ALIGN float dots[kMaxFloatLanes];
+    HWY_ALIGN float gsb[kBatchSlots * kMaxFloatLanes];  // grad_y of a batch, fp32, row-major
+    for (; end - begin >= Lr; begin += Lr) {
+      const int64_t r0 = begin;
       // The next batch's indices and gradients (its x_norm rows: in the row loop below).
-      if (r0 + 2 * nb <= end) {
-        const char* ni = reinterpret_cast<const char*>(idx + (r0 + nb) * K);
-        const char* ng = reinterpret_cast<const char*>(gy + (r0 + nb) * K);
+      if (r0 + 2 * Lr <= end) {
+        const char* ni = reinterpret_cast<const char*>(idx + (r0 + Lr) * K);
+        const char* ng = reinterpret_cast<const char*>(gy + (r0 + Lr) * K);
         for (size_t b = 0; b < L * static_cast<size_t>(K) * sizeof(int32_t); b += 64) {
           hwy::Prefetch(ni + b);
         }
@@ -534,47 +754,30 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
           hwy::Prefetch(ng + b);
         }
       }
-      load_chunk(gy + r0 * K, gsb, static_cast<size_t>(nb * K));
+      load_chunk(gy + r0 * K, gsb, static_cast<size_t>(Lr * K));
       BatchScalars(d, c, xn, idx, gsb, r0, N, K, gp, dots);
-    } else {
-      load_chunk(gy + r0 * K, gs, static_cast<size_t>(K));
-      RowScalars(c, xn + r0 * N, idx + r0 * K, N, K, w, gs, gp, 1, dots);
-    }
-    for (int64_t i = 0; i < nb; ++i) {  // scatter-add (D1), slot order
-      const int32_t* er = idx + (r0 + i) * K;
-      float* Gr = G + i * np;
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t e = er[k];
-        // Out-of-range device indices are skipped (never read or written out of bounds).
-        if (e >= 0 && e < N) Gr[e] += gp[k * stride + i];
+      for (int64_t i = 0; i < Lr; ++i) {  // scatter-add (D1), slot order
+        const int32_t* er = idx + (r0 + i) * K;
+        float* Gr = G + static_cast<size_t>(i) * np;
+        for (int64_t k = 0; k < K; ++k) {
+          const int32_t e = er[k];
+          // Out-of-range device indices are skipped (never read or written out of bounds).
+          if (e >= 0 && e < N) Gr[e] += gp[static_cast<size_t>(k) * L + static_cast<size_t>(i)];
+        }
+      }
+      for (int64_t i = 0; i < Lr; ++i) {
+        const int64_t r = r0 + i;
+        const float* xr = xn + r * N;
+        // The same row of the next batch: the scalar pass reads a few random elements of each
+        // of its rows before this loop streams them, which the hardware prefetcher does not
+        // follow.
+        const float* ahead = r + Lr < end ? xr + Lr * N : nullptr;
+        RowOut(d, norm_type, xr, G + static_cast<size_t>(i) * np, dots[i], gx + r * N, Nz, x2,
+               ahead);
       }
     }
-    for (int64_t i = 0; i < nb; ++i) {
-      const int64_t r = r0 + i;
-      const float* xr = xn + r * N;
-      float* Gr = G + i * np;
-      const VF dot = hn::Set(d, dots[i]);
-      auto value = [&](VF x, VF g) { return SlotGradValue(d, norm_type, x, g, dot); };
-      T* o = gx + r * N;
-      // The same row of the next batch: phase A reads a few random elements of each of its
-      // rows before this loop streams them, which the hardware prefetcher does not follow.
-      const float* ahead = whole && r + nb < end ? xr + nb * N : nullptr;
-      // Each G vector is read once and left +0 for the next batch (whole-vector stores: a
-      // loop resetting only the K entries the row touched compiles to a slow vector scatter).
-      auto grad_at = [&](size_t j) {
-        const VF g = hn::Load(d, Gr + j);
-        hn::Store(hn::Zero(d), d, Gr + j);
-        return g;
-      };
-      size_t j = 0;
-      for (; j < Nv; j += L) {
-        if (ahead) hwy::Prefetch(ahead + j);
-        StoreF(d, value(hn::LoadU(d, xr + j), grad_at(j)), o + j);
-      }
-      if (j < Nz) StoreFN(d, value(LoadFN(d, xr + j, Nz - j), grad_at(j)), o + j, Nz - j);
-    }
-    r0 += nb;
   }
+  OneRows<T>(p, c, idx, begin, end);
 }
 
 }  // namespace
