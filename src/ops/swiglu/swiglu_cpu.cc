@@ -31,31 +31,12 @@ namespace {
 // independent register chains, so the loop is not bound by the latency of one chain.
 constexpr size_t kGwLanes = 64;
 
+// The end of the sum: part[] holds the partial sums of the first i elements (i a multiple of
+// 64); the rest one lane at a time, with the same fused multiply-add semantics as the vectors
+// (hn::MulAdd on one-lane vectors), then the tree.
 template <typename T>
-HWY_INLINE float GradWeightDot(int64_t n, const T* HWY_RESTRICT a, const T* HWY_RESTRICT b) {
-  HWY_ALIGN float part[kGwLanes];
-  int64_t i = 0;
-  const DF d;
-  const size_t N = hn::Lanes(d);
-  constexpr size_t kMaxVecs = kGwLanes / hn::MaxLanes(DF()) > 0 ? kGwLanes / hn::MaxLanes(DF()) : 1;
-  if constexpr (InRegister<T>::value && kGwLanes % hn::MaxLanes(DF()) == 0) {
-    if (N * kMaxVecs == kGwLanes) {
-      VF acc[kMaxVecs];
-      for (size_t k = 0; k < kMaxVecs; ++k) acc[k] = hn::Zero(d);
-      for (; i + static_cast<int64_t>(kGwLanes) <= n; i += kGwLanes) {
-        for (size_t k = 0; k < kMaxVecs; ++k) {
-          acc[k] = hn::MulAdd(LoadF(d, a + i + k * N), LoadF(d, b + i + k * N), acc[k]);
-        }
-      }
-      for (size_t k = 0; k < kMaxVecs; ++k) hn::Store(acc[k], d, part + k * N);
-    } else {
-      for (size_t l = 0; l < kGwLanes; ++l) part[l] = 0.0f;
-    }
-  } else {
-    for (size_t l = 0; l < kGwLanes; ++l) part[l] = 0.0f;
-  }
-  // The rest (and every element where the vectors above do not apply) one lane at a time, with
-  // the same fused multiply-add semantics as the vectors (hn::MulAdd on one-lane vectors).
+HWY_INLINE float GradWeightFinish(float* HWY_RESTRICT part, int64_t i, int64_t n,
+                                  const T* HWY_RESTRICT a, const T* HWY_RESTRICT b) {
   const hn::CappedTag<float, 1> d1;
   for (size_t l = static_cast<size_t>(i) % kGwLanes; i < n; ++i, l = (l + 1) % kGwLanes) {
     const auto pa = hn::Set(d1, to_f32(a[i])), pb = hn::Set(d1, to_f32(b[i]));
@@ -67,8 +48,168 @@ HWY_INLINE float GradWeightDot(int64_t n, const T* HWY_RESTRICT a, const T* HWY_
   return part[0];
 }
 
-// Software prefetch distance of the forward's two input streams, in bytes (L107).
-constexpr size_t kPrefetchAhead = 1024;
+// Vectors per block of 64 partial sums, and whether the vector blocks apply on this target
+// (whole vectors of an in-register type; every x86 target).
+constexpr size_t kGwVecs =
+    kGwLanes / hn::MaxLanes(DF()) > 0 ? kGwLanes / hn::MaxLanes(DF()) : 1;
+template <typename T>
+HWY_INLINE bool GwBlocks() {
+  if constexpr (InRegister<T>::value && kGwLanes % hn::MaxLanes(DF()) == 0) {
+    return hn::Lanes(DF()) * kGwVecs == kGwLanes;
+  }
+  return false;
+}
+
+template <typename T>
+HWY_INLINE float GradWeightDot(int64_t n, const T* HWY_RESTRICT a, const T* HWY_RESTRICT b) {
+  HWY_ALIGN float part[kGwLanes];
+  int64_t i = 0;
+  const DF d;
+  const size_t N = hn::Lanes(d);
+  if (GwBlocks<T>()) {
+    VF acc[kGwVecs];
+    for (size_t k = 0; k < kGwVecs; ++k) acc[k] = hn::Zero(d);
+    for (; i + static_cast<int64_t>(kGwLanes) <= n; i += kGwLanes) {
+      for (size_t k = 0; k < kGwVecs; ++k) {
+        acc[k] = hn::MulAdd(LoadF(d, a + i + k * N), LoadF(d, b + i + k * N), acc[k]);
+      }
+    }
+    for (size_t k = 0; k < kGwVecs; ++k) hn::Store(acc[k], d, part + k * N);
+  } else {
+    for (size_t l = 0; l < kGwLanes; ++l) part[l] = 0.0f;
+  }
+  return GradWeightFinish(part, i, n, a, b);
+}
+
+// Software prefetch of the forward's two input streams (gate x0 and up x1 = x0 + H of row t),
+// kPrefetchAhead bytes ahead of the column being read, one PREFETCHT0 per stream and 64 bytes
+// (L107). Near the row end the targets continue into the next row's same half (x0 + 2H and
+// x1 + 2H), so that each row starts with both streams already in flight (L123):
+// PrefetchSameRow gives the bases for the columns h < H - ahead (PrefetchSplit), PrefetchNextRow
+// those of the rest. Past the tensor's end (the last rows) prefetches do not fault.
+constexpr size_t kPrefetchAhead = 2048;
+
+template <typename T>
+struct PrefetchPair {
+  const char* a;  // prefetch address of column 0 for the gate stream
+  const char* b;  // for the up stream
+  HWY_INLINE void At(int64_t h) const {
+    hwy::Prefetch(a + h * static_cast<int64_t>(sizeof(T)));
+    hwy::Prefetch(b + h * static_cast<int64_t>(sizeof(T)));
+  }
+};
+template <typename T>
+HWY_INLINE PrefetchPair<T> PrefetchSameRow(const T* x0, const T* x1) {
+  return {reinterpret_cast<const char*>(x0) + kPrefetchAhead,
+          reinterpret_cast<const char*>(x1) + kPrefetchAhead};
+}
+template <typename T>
+HWY_INLINE PrefetchPair<T> PrefetchNextRow(const T* x1, int64_t H) {
+  // Column h + ahead of gate (x0 + 2H) and up (x1 + 2H) of the next row is at x1 + h + ahead
+  // and x1 + H + h + ahead (ahead counted from h past H).
+  return {reinterpret_cast<const char*>(x1) + kPrefetchAhead,
+          reinterpret_cast<const char*>(x1 + H) + kPrefetchAhead};
+}
+// The first column whose prefetch target lies in the next row, rounded down to a multiple of
+// `step` (whole iterations).
+template <typename T>
+HWY_INLINE int64_t PrefetchSplit(int64_t H, int64_t step) {
+  const int64_t ahead = static_cast<int64_t>(kPrefetchAhead / sizeof(T));
+  const int64_t s = std::max<int64_t>(0, H - ahead);
+  return s / step * step;
+}
+
+// Two vectors of outputs at p (row pairs of the 16-bit forward): with kNarrow2 (bf16 where
+// AVX512-BF16 is used) one VCVTNE2PS2BF16 and one 64-byte store (L106), else and for a pair
+// with a denormal lane the per-vector narrowing; non-temporal with kStream (Stream2Aligned).
+template <bool kStream, bool kNarrow2, typename T>
+HWY_INLINE void StorePair(DF d, VF v0, VF v1, T* HWY_RESTRICT p) {
+#if MOEGRAD_SIMD_AVX512
+  if constexpr (kNarrow2 && std::is_same_v<T, bf16_t>) {
+    if (HWY_LIKELY(TryStoreBf16x2<kStream>(v0, v1, p))) return;
+  }
+#endif
+  if constexpr (kStream) {
+    StreamF2(d, v0, v1, p);
+  } else {
+    StoreF(d, v0, p);
+    StoreF(d, v1, p + hn::Lanes(d));
+  }
+}
+
+// For the lambdas of the row loops: called several times, a plain lambda may be compiled out of
+// line (then every constant is reloaded per call).
+#if defined(__GNUC__) || defined(__clang__)
+#define MOEGRAD_LAMBDA_INLINE __attribute__((always_inline))
+#else
+#define MOEGRAD_LAMBDA_INLINE
+#endif
+
+// The forward value of one vector (bf16/fp16 data: the cheaper sigmoid, docs/decisions.md
+// L96, L105).
+template <typename T, bool kClamp>
+HWY_INLINE VF ForwardValue(DF d, const SwigluClamp<kClamp>& clamp, VF a, VF b, VF w) {
+  return SwigluValue<!std::is_same_v<T, float>>(d, clamp.gate(a), clamp.up(b), w);
+}
+
+// The whole vectors of one row straight from and to memory, from column h on; returns the
+// first column left for the chunk path. 16-bit data (kPairs): quads of vectors (128 bytes of
+// each input half and of the output) as two pairs, each stored by StorePair, then the last
+// pair, if any; then single vectors. Both input streams are prefetched (L107, L123). All
+// values by argument, so that the loop keeps them in registers (the non-temporal stores'
+// vector types may alias anything a lambda would reach through its closure).
+template <bool kPairs, bool kStream, bool kNarrow2, typename T, bool kClamp>
+HWY_INLINE int64_t ForwardRowVectors(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1,
+                                     T* HWY_RESTRICT yr, int64_t H, VF w,
+                                     const SwigluClamp<kClamp> clamp) {
+  const DF d;
+  const int64_t V = static_cast<int64_t>(hn::Lanes(d));
+  int64_t h = 0;
+  if constexpr (kPairs) {
+    const int64_t P = 2 * V;  // one pair: 64 bytes on AVX-512
+    auto pair = [&](int64_t c) MOEGRAD_LAMBDA_INLINE {
+      StorePair<kStream, kNarrow2>(
+          d, ForwardValue<T>(d, clamp, LoadF(d, x0 + c), LoadF(d, x1 + c), w),
+          ForwardValue<T>(d, clamp, LoadF(d, x0 + c + V), LoadF(d, x1 + c + V), w), yr + c);
+    };
+    const int64_t H4 = H / (2 * P) * (2 * P);
+    const int64_t split = std::min(H4, PrefetchSplit<T>(H, 2 * P));
+    const PrefetchPair<T> same = PrefetchSameRow(x0, x1), next = PrefetchNextRow(x1, H);
+    for (; h < split; h += 2 * P) {
+      same.At(h);
+      same.At(h + P);
+      pair(h);
+      pair(h + P);
+    }
+    for (; h < H4; h += 2 * P) {
+      next.At(h);
+      next.At(h + P);
+      pair(h);
+      pair(h + P);
+    }
+    for (; h + P <= H; h += P) pair(h);
+  }
+  auto one = [&](int64_t c) MOEGRAD_LAMBDA_INLINE {
+    const VF v = ForwardValue<T>(d, clamp, LoadF(d, x0 + c), LoadF(d, x1 + c), w);
+    if constexpr (kStream) {
+      StreamF(d, v, yr + c);
+    } else {
+      StoreF(d, v, yr + c);
+    }
+  };
+  const int64_t HV = H / V * V;
+  const int64_t split = std::min(HV, std::max(h, PrefetchSplit<T>(H, V)));
+  const PrefetchPair<T> same = PrefetchSameRow(x0, x1), next = PrefetchNextRow(x1, H);
+  for (; h < split; h += V) {
+    same.At(h);
+    one(h);
+  }
+  for (; h < HV; h += V) {
+    next.At(h);
+    one(h);
+  }
+  return h;
+}
 
 template <typename T, bool kClamp>
 void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin, int64_t end) {
@@ -101,66 +242,24 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
     const VF vw = hn::Set(d, w ? w[t] : 1.0f);
     const T* x0 = x + t * 2 * H;
     const T* x1 = x0 + H;
-    // bf16/fp16 outputs: the cheaper sigmoid (docs/decisions.md L96, L105).
-    constexpr bool kSixteen = !std::is_same_v<T, float>;
-    auto f = [&](VF va, VF vb) {
-      return SwigluValue<kSixteen>(d, clamp.gate(va), clamp.up(vb), vw);
-    };
+    auto f = [&](VF va, VF vb) { return ForwardValue<T>(d, clamp, va, vb, vw); };
     int64_t h0 = 0;
     if constexpr (InRegister<T>::value && !std::is_same_v<T, float>) {
-      // 16-bit data: pairs of vectors (64 bytes of each input half, 64 bytes of output), with a
-      // software prefetch of both input streams kPrefetchAhead bytes ahead (L107).
-      auto pairs = [&](auto streamed, auto narrow2) {
-        constexpr bool kStream = decltype(streamed)::value;
-        for (; h0 + 2 * static_cast<int64_t>(N) <= H; h0 += 2 * N) {
-          hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0) + kPrefetchAhead);
-          hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0) + kPrefetchAhead);
-          const VF v0 = f(LoadF(d, x0 + h0), LoadF(d, x1 + h0));
-          const VF v1 = f(LoadF(d, x0 + h0 + N), LoadF(d, x1 + h0 + N));
-#if MOEGRAD_SIMD_AVX512
-          if constexpr (decltype(narrow2)::value && std::is_same_v<T, bf16_t>) {
-            if (HWY_LIKELY(TryStoreBf16x2<kStream>(v0, v1, yr + h0))) continue;
-          }
-#else
-          (void)narrow2;
-#endif
-          if constexpr (kStream) {
-            StreamF2(d, v0, v1, yr + h0);
-          } else {
-            StoreF(d, v0, yr + h0);
-            StoreF(d, v1, yr + h0 + N);
-          }
-        }
-      };
-      const bool s2 = stream && Stream2Aligned(yr);
-      if (cvt2) {
-        if (s2) {
-          pairs(std::true_type{}, std::true_type{});
-        } else {
-          pairs(std::false_type{}, std::true_type{});
-        }
-      } else if (s2) {
-        pairs(std::true_type{}, std::false_type{});
+      // 16-bit data: pairs of vectors, non-temporal where the row is 64-byte aligned.
+      if (stream && Stream2Aligned(yr)) {
+        h0 = cvt2 ? ForwardRowVectors<true, true, true>(x0, x1, yr, H, vw, clamp)
+                  : ForwardRowVectors<true, true, false>(x0, x1, yr, H, vw, clamp);
+      } else if (stream && StreamAligned(yr)) {
+        h0 = ForwardRowVectors<false, true, false>(x0, x1, yr, H, vw, clamp);
       } else {
-        pairs(std::false_type{}, std::false_type{});
+        h0 = cvt2 ? ForwardRowVectors<true, false, true>(x0, x1, yr, H, vw, clamp)
+                  : ForwardRowVectors<true, false, false>(x0, x1, yr, H, vw, clamp);
       }
-    }
-    if constexpr (InRegister<T>::value) {
-      // Whole vectors straight from and to memory (non-temporal stores where the row is
-      // aligned); the tail goes through the chunk path.
-      if (stream && StreamAligned(yr)) {
-        for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
-          hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0) + kPrefetchAhead);
-          hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0) + kPrefetchAhead);
-          StreamF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
-        }
-      } else {
-        for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
-          hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0) + kPrefetchAhead);
-          hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0) + kPrefetchAhead);
-          StoreF(d, f(LoadF(d, x0 + h0), LoadF(d, x1 + h0)), yr + h0);
-        }
-      }
+    } else if constexpr (InRegister<T>::value) {
+      // fp32: single vectors, non-temporal where the row is aligned.
+      h0 = stream && StreamAligned(yr)
+               ? ForwardRowVectors<false, true, false>(x0, x1, yr, H, vw, clamp)
+               : ForwardRowVectors<false, false, false>(x0, x1, yr, H, vw, clamp);
     }
     for (; h0 < H; h0 += kChunk) {
       const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
@@ -179,6 +278,95 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   hwy::FlushStream();
 }
 
+// (ga, gb) of §5.5 steps 2-6 for one vector of gate a0, up b0 and upstream gradient g.
+template <bool kClamp>
+HWY_INLINE void BackwardValue(DF d, const SwigluClamp<kClamp>& clamp, VF w, VF a0, VF b0, VF g,
+                              VF& vga, VF& vgb) {
+  const VF one = hn::Set(d, 1.0f);
+  const VF va = clamp.gate(a0), vb = clamp.up(b0);
+  const VF gyw = hn::Mul(g, w);
+  const VF s = Sigmoid(d, va);
+  const VF silu = hn::Mul(va, s);
+  const VF dsilu = hn::Mul(s, hn::Add(one, hn::Mul(va, hn::Sub(one, s))));
+  vga = hn::Mul(hn::Mul(gyw, vb), dsilu);
+  vgb = hn::Mul(gyw, silu);
+  if constexpr (kClamp) {
+    // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
+    vga = hn::IfThenElseZero(hn::Lt(a0, clamp.c), vga);
+    vgb = hn::IfThenElseZero(hn::And(hn::Gt(b0, clamp.nc), hn::Lt(b0, clamp.c)), vgb);
+  }
+}
+
+// Software prefetch of the backward's input streams (L124): gate and up as in the forward
+// (continued into the next row), grad_y and y_origin straight on (their rows are contiguous).
+constexpr bool kBackwardPrefetch = true;
+
+// The whole blocks of 64 columns of one backward row, straight from and to memory (docs/
+// decisions.md L124): kGwVecs vectors of (ga, gb) per block, stored in pairs by StorePair
+// (kPairs: 16-bit data) or one by one (non-temporal with kStream), and with kGw the block's
+// grad_y * y_origin products added into acc[] (the 64 partial sums of L95, in column order, from
+// the widened grad_y of the gradient). Returns the first column not done (a multiple of 64).
+template <bool kPairs, bool kStream, bool kNarrow2, bool kGw, typename T, bool kClamp>
+HWY_INLINE int64_t BackwardRowBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1,
+                                     const T* HWY_RESTRICT gyr, const T* HWY_RESTRICT yor,
+                                     T* HWY_RESTRICT g0, int64_t H, VF w,
+                                     const SwigluClamp<kClamp> clamp, VF* HWY_RESTRICT acc) {
+  const DF d;
+  const int64_t V = static_cast<int64_t>(hn::Lanes(d));
+  constexpr int64_t B = static_cast<int64_t>(kGwLanes);
+  constexpr int64_t kLine = 64;  // bytes per prefetch
+  T* HWY_RESTRICT g1 = g0 + H;
+  VF sum[kGwVecs];
+  if constexpr (kGw) {
+    for (size_t k = 0; k < kGwVecs; ++k) sum[k] = acc[k];
+  }
+  auto block = [&](int64_t h, const PrefetchPair<T>& pf) MOEGRAD_LAMBDA_INLINE {
+    if constexpr (kBackwardPrefetch) {
+      for (int64_t c = 0; c < B * static_cast<int64_t>(sizeof(T)); c += kLine) {
+        const int64_t e = c / static_cast<int64_t>(sizeof(T));
+        pf.At(h + e);
+        hwy::Prefetch(reinterpret_cast<const char*>(gyr + h + e) + kPrefetchAhead);
+        if constexpr (kGw) hwy::Prefetch(reinterpret_cast<const char*>(yor + h + e) + kPrefetchAhead);
+      }
+    }
+    VF ga[kGwVecs], gb[kGwVecs];
+    for (size_t k = 0; k < kGwVecs; ++k) {
+      const int64_t c = h + static_cast<int64_t>(k) * V;
+      const VF g = LoadF(d, gyr + c);
+      BackwardValue(d, clamp, w, LoadF(d, x0 + c), LoadF(d, x1 + c), g, ga[k], gb[k]);
+      if constexpr (kGw) sum[k] = hn::MulAdd(g, LoadF(d, yor + c), sum[k]);
+    }
+    if constexpr (kPairs) {
+      for (size_t k = 0; k + 1 < kGwVecs; k += 2) {
+        const int64_t c = h + static_cast<int64_t>(k) * V;
+        StorePair<kStream, kNarrow2>(d, ga[k], ga[k + 1], g0 + c);
+        StorePair<kStream, kNarrow2>(d, gb[k], gb[k + 1], g1 + c);
+      }
+    } else {
+      for (size_t k = 0; k < kGwVecs; ++k) {
+        const int64_t c = h + static_cast<int64_t>(k) * V;
+        if constexpr (kStream) {
+          StreamF(d, ga[k], g0 + c);
+          StreamF(d, gb[k], g1 + c);
+        } else {
+          StoreF(d, ga[k], g0 + c);
+          StoreF(d, gb[k], g1 + c);
+        }
+      }
+    }
+  };
+  const int64_t HB = H / B * B;
+  const int64_t split = std::min(HB, PrefetchSplit<T>(H, B));
+  const PrefetchPair<T> same = PrefetchSameRow(x0, x1), next = PrefetchNextRow(x1, H);
+  int64_t h = 0;
+  for (; h < split; h += B) block(h, same);
+  for (; h < HB; h += B) block(h, next);
+  if constexpr (kGw) {
+    for (size_t k = 0; k < kGwVecs; ++k) acc[k] = sum[k];
+  }
+  return h;
+}
+
 template <typename T, bool kClamp>
 void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t begin,
                   int64_t end) {
@@ -193,8 +381,13 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
   T* gx = typed<T>(p.grad_x);
   float* gw = want_gw ? typed<float>(p.grad_weight) : nullptr;
   const SwigluClamp<kClamp> clamp(d, p.clamp);
-  const VF one = hn::Set(d, 1.0f);
   const bool stream = stream_output(p.T * 2 * H * static_cast<int64_t>(sizeof(T)));
+#if MOEGRAD_SIMD_AVX512
+  const bool cvt2 = std::is_same_v<T, bf16_t> &&
+                    simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
+#else
+  constexpr bool cvt2 = false;
+#endif
   std::fill(buf, buf + 6 * kChunk, 0.0f);
   float* a = buf;
   float* b = a + kChunk;
@@ -213,25 +406,42 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
     const T* x0 = x + t * 2 * H;
     const T* x1 = x0 + H;
     const VF vw = hn::Set(d, w ? w[t] : 1.0f);
-    // (ga, gb) of §5.5 steps 2-6 for one vector of gate a0, up b0 and upstream gradient g.
     auto f = [&](VF a0, VF b0, VF g, VF& vga, VF& vgb) {
-      const VF va = clamp.gate(a0), vb = clamp.up(b0);
-      const VF gyw = hn::Mul(g, vw);
-      const VF s = Sigmoid(d, va);
-      const VF silu = hn::Mul(va, s);
-      const VF dsilu = hn::Mul(s, hn::Add(one, hn::Mul(va, hn::Sub(one, s))));
-      vga = hn::Mul(hn::Mul(gyw, vb), dsilu);
-      vgb = hn::Mul(gyw, silu);
-      if constexpr (kClamp) {
-        // Masks on the unclamped inputs, strict inequalities (§5.5 step 6, D11).
-        vga = hn::IfThenElseZero(hn::Lt(a0, clamp.c), vga);
-        vgb = hn::IfThenElseZero(hn::And(hn::Gt(b0, clamp.nc), hn::Lt(b0, clamp.c)), vgb);
-      }
+      BackwardValue(d, clamp, vw, a0, b0, g, vga, vgb);
     };
+    const T* yr = gw ? yo + t * H : nullptr;
     int64_t h0 = 0;
+    // The 64 partial sums of grad_weight (L95) of the whole blocks, where the row loop forms
+    // them (GwBlocks); the rest of the row is added by GradWeightFinish.
+    HWY_ALIGN float part[kGwLanes];
+    bool fused = false;
     if constexpr (InRegister<T>::value) {
-      // Whole vectors straight from and to memory (non-temporal stores where both halves of
-      // the grad_x row are aligned); the tail goes through the chunk path.
+      if (GwBlocks<T>()) {
+        // Whole blocks of 64 columns (L124), non-temporal stores where both halves of the
+        // grad_x row are aligned (for pairs: 64-byte aligned on AVX-512).
+        constexpr bool kSixteen = !std::is_same_v<T, float>;
+        VF acc[kGwVecs];
+        for (size_t k = 0; k < kGwVecs; ++k) acc[k] = hn::Zero(d);
+        auto blocks = [&](auto gw_on) {
+          constexpr bool kG = decltype(gw_on)::value;
+          if (kSixteen && stream && Stream2Aligned(g0) && Stream2Aligned(g0 + H)) {
+            return cvt2 ? BackwardRowBlocks<kSixteen, true, true, kG>(x0, x1, gyr, yr, g0, H, vw, clamp, acc)
+                        : BackwardRowBlocks<kSixteen, true, false, kG>(x0, x1, gyr, yr, g0, H, vw, clamp, acc);
+          }
+          if (stream && StreamAligned(g0) && StreamAligned(g0 + H)) {
+            return BackwardRowBlocks<false, true, false, kG>(x0, x1, gyr, yr, g0, H, vw, clamp, acc);
+          }
+          return cvt2 ? BackwardRowBlocks<kSixteen, false, true, kG>(x0, x1, gyr, yr, g0, H, vw, clamp, acc)
+                      : BackwardRowBlocks<kSixteen, false, false, kG>(x0, x1, gyr, yr, g0, H, vw, clamp, acc);
+        };
+        h0 = gw ? blocks(std::true_type{}) : blocks(std::false_type{});
+        if (gw) {
+          for (size_t k = 0; k < kGwVecs; ++k) hn::Store(acc[k], d, part + k * N);
+          fused = true;
+        }
+      }
+      // Whole vectors of the rest straight from and to memory (non-temporal stores where both
+      // halves of the grad_x row are aligned); the tail goes through the chunk path.
       if (stream && StreamAligned(g0) && StreamAligned(g0 + H)) {
         for (; h0 + static_cast<int64_t>(N) <= H; h0 += N) {
           VF vga, vgb;
@@ -268,8 +478,10 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
       }
     }
     if (gw) {
-      const T* yr = yo + t * H;
-      gw[t] = GradWeightDot(H, gyr, yr);
+      gw[t] = fused ? GradWeightFinish(part, H / static_cast<int64_t>(kGwLanes) *
+                                                 static_cast<int64_t>(kGwLanes),
+                                       H, gyr, yr)
+                    : GradWeightDot(H, gyr, yr);
     }
   }
   hwy::FlushStream();

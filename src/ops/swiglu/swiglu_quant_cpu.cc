@@ -87,8 +87,8 @@ HWY_INLINE void LaneMaxima16(const float* HWY_RESTRICT v, float* HWY_RESTRICT ou
 }
 #endif
 
-// Software prefetch distance of the two input streams, in bytes (L107).
-constexpr size_t kPrefetchAhead = 1024;
+// Software prefetch distance of the two input streams, in bytes (L107, L123).
+constexpr size_t kPrefetchAhead = 2048;
 
 template <typename T, bool kE5M2, bool kClamp>
 void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t begin,
@@ -169,10 +169,17 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
         VF vmax = hn::Zero(d);
         size_t i = j;
         if constexpr (InRegister<T>::value) {
-          // Software prefetch of both input streams, kPrefetchAhead bytes ahead (L107).
+          // Software prefetch of both input streams, kPrefetchAhead bytes ahead (L107),
+          // continued into the next row's gate (x0 + 2H = x1 + H) and up (x1 + 2H) halves
+          // near the row end (L123).
           for (size_t c = 0; j + c / sizeof(T) < jv; c += 64) {
-            hwy::Prefetch(reinterpret_cast<const char*>(x0 + h0 + j) + kPrefetchAhead + c);
-            hwy::Prefetch(reinterpret_cast<const char*>(x1 + h0 + j) + kPrefetchAhead + c);
+            const int64_t col = h0 + static_cast<int64_t>(j + c / sizeof(T)) +
+                                static_cast<int64_t>(kPrefetchAhead / sizeof(T));
+            const bool same = col < H;
+            const T* pa = same ? x0 : x1;
+            const T* pb = same ? x1 : x1 + H;
+            hwy::Prefetch(pa + col);
+            hwy::Prefetch(pb + col);
           }
           for (; i < jv; i += N) {
             vmax = step(vmax, f(LoadF(d, x0 + h0 + i), LoadF(d, x1 + h0 + i)), i,
