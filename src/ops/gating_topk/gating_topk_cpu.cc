@@ -326,9 +326,9 @@ HWY_INLINE void BatchScalars(DF d, const BackwardScalars& c, const float* xn, co
 // the row, in pairs where bf16 pairs narrow in one instruction (x2), then single vectors and
 // the tail. ahead: the row to prefetch alongside (the batch path), or null.
 template <typename T>
-HWY_INLINE void RowOut(DF d, int64_t norm_type, const float* HWY_RESTRICT xr, float* HWY_RESTRICT Gr,
-                       float dot_s, T* HWY_RESTRICT o, size_t Nz, bool x2,
-                       const float* ahead) {
+HWY_INLINE void RowOut(DF d, int64_t norm_type, const float* HWY_RESTRICT xr,
+                       float* HWY_RESTRICT Gr, float dot_s, T* HWY_RESTRICT o, size_t Nz,
+                       bool x2, const float* ahead) {
   const size_t L = hn::Lanes(d), Nv = Nz / L * L;
   const VF dot = hn::Set(d, dot_s);
   auto value = [&](VF x, VF g) { return SlotGradValue(d, norm_type, x, g, dot); };
