@@ -273,6 +273,30 @@ def test_gating_backward_exact_order_tails_threads(dtype, N, K, norm_type, renor
             assert torch.equal(_bits(gx), want), f"{nt} threads: not the fp32 operation order"
 
 
+@DTYPES
+@pytest.mark.parametrize("N,K", [(16, 2), (32, 4), (64, 8), (200, 8), (256, 4)])
+@pytest.mark.parametrize("renorm", [0, 1])
+def test_gating_backward_sqrt_softplus_batches_equal_one_row_form(dtype, N, K, renorm, rng):
+    # sqrt-softplus (norm type 2) has no step-by-step emulation here: the batches (1-3 threads:
+    # whole batches of 16 rows; on AVX-512 reg::Rows / reg::Wide) must give the bits of the
+    # one-row form (5 threads: 14-row chunks, no whole batch), which the float64 tests of
+    # test_autograd.py check.
+    M = 70
+    xn = torch.sqrt(torch.nn.functional.softplus(randn((M, N), F32, rng)))
+    gy = randn((M, K), dtype, rng)
+    e = rand_expert_idx(M, K, N, rng, distinct=False)
+    outs = []
+    for nt in (5,) + tuple(t for t in THREADS if t != 5):
+        with threads(nt):
+            gx = torch.empty((M, N), dtype=dtype)
+            poison(gx)
+            moegrad._C.moe_gating_top_k_backward(xn, gy, e, renorm, 2, 1.5, 1e-9, gx)
+            outs.append(_bits(gx))
+    assert not torch.isnan(gx.float()).any()
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0]), "batches differ from the one-row form"
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("N,K", [(32, 4), (96, 2), (256, 8), (257, 8)])
 @pytest.mark.parametrize("norm_type,renorm", [(1, 0), (0, 1)])
