@@ -197,9 +197,22 @@ HWY_INLINE int64_t ForwardRowVectors(const T* HWY_RESTRICT x0, const T* HWY_REST
       StoreF(d, v, yr + c);
     }
   };
+  const PrefetchPair<T> same = PrefetchSameRow(x0, x1), next = PrefetchNextRow(x1, H);
+  if constexpr (!kPairs) {
+    // Single vectors (fp32, or 16-bit rows not aligned for pairs): four per iteration.
+    const int64_t H4 = H / (4 * V) * (4 * V);
+    const int64_t split4 = std::min(H4, PrefetchSplit<T>(H, 4 * V));
+    for (; h < split4; h += 4 * V) {
+      for (int64_t u = 0; u < 4 * V; u += V) same.At(h + u);
+      for (int64_t u = 0; u < 4 * V; u += V) one(h + u);
+    }
+    for (; h < H4; h += 4 * V) {
+      for (int64_t u = 0; u < 4 * V; u += V) next.At(h + u);
+      for (int64_t u = 0; u < 4 * V; u += V) one(h + u);
+    }
+  }
   const int64_t HV = H / V * V;
   const int64_t split = std::min(HV, std::max(h, PrefetchSplit<T>(H, V)));
-  const PrefetchPair<T> same = PrefetchSameRow(x0, x1), next = PrefetchNextRow(x1, H);
   for (; h < split; h += V) {
     same.At(h);
     one(h);
