@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/convert.h"
+#include "core/host_simd.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -17,16 +18,13 @@ namespace {
 template <typename I>
 void range_impl(const Validator& v, int32_t code, const I* p, int64_t n, const char* arg,
                 int64_t lo, int64_t hi) {
-  // Fast pass: min and max of the values (a loop the compiler vectorises, about 16 values a
-  // cycle, against one with a compare and branch per value); only a range that fails it is
-  // scanned again for the first offending position. A stage-one check runs on every call, so
-  // at T = 4096, K = 4 this was several microseconds of a call of a few tens.
+  // Fast pass: min and max of the values (SIMD, the best target of the CPU: L112, L127);
+  // only a range that fails it is scanned again for the first offending position. A stage-one
+  // check runs on every call, so at T = 4096, K = 4 a scalar loop was several microseconds of
+  // a call of a few tens.
   if (n <= 0) return;
-  I mn = p[0], mx = p[0];
-  for (int64_t i = 0; i < n; ++i) {
-    mn = p[i] < mn ? p[i] : mn;
-    mx = p[i] > mx ? p[i] : mx;
-  }
+  I mn, mx;
+  index_min_max(p, n, &mn, &mx);
   if (static_cast<int64_t>(mn) >= lo && static_cast<int64_t>(mx) < hi) return;
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] < lo || p[i] >= hi) {

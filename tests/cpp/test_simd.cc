@@ -161,10 +161,12 @@ HWY_AFTER_NAMESPACE();
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <random>
 
 #include "convert_inputs.h"
 #include "hwy_targets.h"
 #include "core/convert.h"
+#include "core/host_simd.h"
 
 namespace moegrad {
 HWY_EXPORT(SimdTraits);
@@ -469,6 +471,38 @@ TEST(Simd, ExpOverTheWholeFloatRange) { check_exp_or_sigmoid(0); }
 TEST(Simd, SigmoidOverTheWholeFloatRange) { check_exp_or_sigmoid(1); }
 TEST(Simd, Sigmoid16OverTheWholeFloatRange) { check_exp_or_sigmoid(2); }
 TEST(Simd, MulSigmoid16OverTheWholeFloatRange) { check_exp_or_sigmoid(3); }
+
+// The min/max pass of the host index checks (core/host_simd.h) against std::minmax_element,
+// int32 and int64, every length from 1 to 300 and a long one, the extremes of the type at
+// random positions (also in the tails past the last whole vector pair), on every target.
+template <typename I>
+void check_index_min_max(uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int64_t> val(-1000, 1000);
+  for_each_target([&](int64_t) {
+    for (int64_t n = 1; n <= 301; ++n) {
+      const int64_t len = n == 301 ? 65537 : n;
+      std::vector<I> p(static_cast<size_t>(len));
+      for (auto& x : p) x = static_cast<I>(val(gen));
+      for (int rep = 0; rep < 3; ++rep) {
+        if (rep == 1) p[gen() % p.size()] = std::numeric_limits<I>::max();
+        if (rep == 2) p[gen() % p.size()] = std::numeric_limits<I>::min();
+        I mn = 0, mx = 0;
+        moegrad::index_min_max(p.data(), len, &mn, &mx);
+        const auto want = std::minmax_element(p.begin(), p.end());
+        ASSERT_EQ(mn, *want.first) << "n=" << len << " rep=" << rep << " seed=" << seed;
+        ASSERT_EQ(mx, *want.second) << "n=" << len << " rep=" << rep << " seed=" << seed;
+      }
+    }
+  });
+}
+
+TEST(Simd, IndexMinMaxOnEveryTarget) {
+  const uint64_t seed = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  check_index_min_max<int32_t>(seed);
+  check_index_min_max<int64_t>(seed + 1);
+}
 
 }  // namespace
 #endif  // HWY_ONCE
