@@ -232,6 +232,18 @@ HWY_INLINE void StreamF(DF d, VF v, T* HWY_RESTRICT p) {
   }
 }
 
+// Whether T's output pairs go through one VCVTNE2PS2BF16 (bf16 on AVX-512 where CPUID reports
+// AVX512-BF16, Bf16x2 below); kernels read it once per call, not per vector.
+template <typename T>
+HWY_INLINE bool UseBf16x2() {
+#if MOEGRAD_SIMD_AVX512
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    return simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
+  }
+#endif
+  return false;
+}
+
 #if MOEGRAD_SIMD_AVX512
 // v0 and v1 narrowed to bf16 by one VCVTNE2PS2BF16 into r (v0's lanes in the low half, v1's in
 // the high half; AVX512-BF16: only where simd_detail::use_avx512bf16). False, with r unset,

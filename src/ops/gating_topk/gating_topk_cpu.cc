@@ -244,16 +244,6 @@ HWY_INLINE void RowScalars(const BackwardScalars& c, const float* xr, const int3
   *dot = dt;
 }
 
-// Whether bf16 output pairs go through one VCVTNE2PS2BF16 (AVX512-BF16); read once per call.
-template <typename T>
-HWY_INLINE bool UseBf16x2() {
-#if MOEGRAD_SIMD_AVX512
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    return simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
-  }
-#endif
-  return false;
-}
 
 // Two output vectors at o (2 Lanes(d) elements, any alignment). With x2 (UseBf16x2) bf16 pairs
 // are narrowed by one VCVTNE2PS2BF16 and written with one 64-byte store instead of two flag
@@ -416,6 +406,25 @@ HWY_INLINE void SlotMath(DF d, const BackwardScalars& c, const VF* w, const VF* 
   }
 }
 
+// A batch's row-major w, e, g (K vectors each) made slot-major, then SlotMath; stored as
+// gpt[k * 16 + lane] = g'_k, et[k * 16 + lane] = expert id, dots[lane] (softmax dot).
+template <size_t K, class VI>
+HWY_INLINE void BatchSlots(DF d, const BackwardScalars& c, VF* w, VI* e, VF* g, float* gpt,
+                           int32_t* et, float* dots) {
+  const hn::RebindToSigned<DF> di;
+  const size_t L = hn::Lanes(d);
+  Deinterleave<K>(d, w);
+  Deinterleave<K>(di, e);
+  Deinterleave<K>(d, g);
+  VF gp[K], dot;
+  SlotMath<K>(d, c, w, g, gp, dot);
+  hn::Store(dot, d, dots);
+  for (size_t k = 0; k < K; ++k) {
+    hn::Store(gp[k], d, gpt + k * L);
+    hn::Store(e[k], di, et + k * L);
+  }
+}
+
 // The x_norm row xr of n <= 16 * NV experts in NV vectors (lanes past n: +0, not read).
 template <size_t NV>
 HWY_INLINE void LoadRow(const float* xr, size_t n, __m512* X) {
@@ -488,16 +497,7 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
       const auto valid = hn::And(hn::Gt(e[m], none), hn::Lt(e[m], below));
       w[m] = hn::IfThenElseZero(hn::RebindMask(d, valid), w[m]);
     }
-    Deinterleave<K>(d, w);
-    Deinterleave<K>(di, e);
-    Deinterleave<K>(d, g);
-    VF gp[K], dot;
-    SlotMath<K>(d, c, w, g, gp, dot);
-    hn::Store(dot, d, dots);
-    for (size_t k = 0; k < K; ++k) {
-      hn::Store(gp[k], d, gpt + k * L);
-      hn::Store(e[k], di, et + k * L);
-    }
+    BatchSlots<K>(d, c, w, e, g, gpt, et, dots);
     for (size_t i = 0; i < L; ++i) {
       const int64_t r = r0 + static_cast<int64_t>(i);
       const float* xr = xn + r * N;
@@ -600,16 +600,7 @@ HWY_NOINLINE void Wide(const GatingTopKBackwardPlan& p, const BackwardScalars& c
       const VI at = hn::Add(hn::Load(di, off + m * L), e[m]);
       w[m].raw = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid.raw, at.raw, xb, 4);
     }
-    Deinterleave<K>(d, w);
-    Deinterleave<K>(di, e);
-    Deinterleave<K>(d, g);
-    VF gp[K], dot;
-    SlotMath<K>(d, c, w, g, gp, dot);
-    hn::Store(dot, d, dots);
-    for (size_t k = 0; k < K; ++k) {
-      hn::Store(gp[k], d, gpt + k * L);
-      hn::Store(e[k], di, et + k * L);
-    }
+    BatchSlots<K>(d, c, w, e, g, gpt, et, dots);
     // Row i's G into G row i & 1 (scatter-add, D1, slot order), one row ahead of its use.
     auto scatter = [&](size_t i) {
       float* Gr = G + (i & 1) * np;

@@ -240,12 +240,7 @@ void ForwardRows(const SwigluPlan& p, int64_t active, float* buf, int64_t begin,
   float* o = b + kChunk;
   T* stage = reinterpret_cast<T*>(o + kChunk);
   // bf16 on AVX-512 with AVX512-BF16: pairs narrowed by one instruction (L106).
-#if MOEGRAD_SIMD_AVX512
-  const bool cvt2 = std::is_same_v<T, bf16_t> &&
-                    simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
-#else
-  constexpr bool cvt2 = false;
-#endif
+  const bool cvt2 = UseBf16x2<T>();
   for (int64_t t = begin; t < end; ++t) {
     T* yr = y + t * H;
     if (t >= active) {
@@ -395,12 +390,7 @@ void BackwardRows(const SwigluGradPlan& p, int64_t active, float* buf, int64_t b
   float* gw = want_gw ? typed<float>(p.grad_weight) : nullptr;
   const SwigluClamp<kClamp> clamp(d, p.clamp);
   const bool stream = stream_output(p.T * 2 * H * static_cast<int64_t>(sizeof(T)));
-#if MOEGRAD_SIMD_AVX512
-  const bool cvt2 = std::is_same_v<T, bf16_t> &&
-                    simd_detail::use_avx512bf16.load(std::memory_order_relaxed);
-#else
-  constexpr bool cvt2 = false;
-#endif
+  const bool cvt2 = UseBf16x2<T>();
   std::fill(buf, buf + 6 * kChunk, 0.0f);
   float* a = buf;
   float* b = a + kChunk;
