@@ -348,6 +348,17 @@ HWY_INLINE void RowOut(DF d, int64_t norm_type, const float* HWY_RESTRICT xr,
   if (j < Nz) StoreFN(d, value(LoadFN(d, xr + j, Nz - j), grad_at(j)), o + j, Nz - j);
 }
 
+// Prefetches the expert ids and gradients of rows [r, r + rows) (K slots each), one line at a
+// time: a batch's slot inputs, fetched while the batch before it computes.
+template <typename T>
+HWY_INLINE void PrefetchSlots(const int32_t* idx, const T* gy, int64_t r, int64_t rows, int64_t K) {
+  const char* ni = reinterpret_cast<const char*>(idx + r * K);
+  const char* ng = reinterpret_cast<const char*>(gy + r * K);
+  const size_t n = static_cast<size_t>(rows * K);
+  for (size_t b = 0; b < n * sizeof(int32_t); b += 64) hwy::Prefetch(ni + b);
+  for (size_t b = 0; b < n * sizeof(T); b += 64) hwy::Prefetch(ng + b);
+}
+
 #if MOEGRAD_SIMD_AVX512
 // AVX-512 batches without scalar passes, for K in {2, 4, 8} slots and N <= 64 experts (GPT-OSS:
 // E = 32, K = 4); docs/decisions.md L110. The batch's ids, selected scores and gradients are
@@ -472,10 +483,7 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
   for (int64_t r0 = begin; r0 + static_cast<int64_t>(L) <= end; r0 += static_cast<int64_t>(L)) {
     const int32_t* ib = idx + r0 * static_cast<int64_t>(K);
     if (r0 + 2 * static_cast<int64_t>(L) <= end) {  // the next batch's ids and gradients
-      const char* ni = reinterpret_cast<const char*>(ib + L * K);
-      const char* ng = reinterpret_cast<const char*>(gy + (r0 + static_cast<int64_t>(L)) * static_cast<int64_t>(K));
-      for (size_t b = 0; b < L * K * sizeof(int32_t); b += 64) hwy::Prefetch(ni + b);
-      for (size_t b = 0; b < L * K * sizeof(T); b += 64) hwy::Prefetch(ng + b);
+      PrefetchSlots(idx, gy, r0 + static_cast<int64_t>(L), static_cast<int64_t>(L), K);
     }
     load_chunk(gy + r0 * static_cast<int64_t>(K), gsb, L * K);
     VI e[K];
@@ -583,10 +591,7 @@ HWY_NOINLINE void Wide(const GatingTopKBackwardPlan& p, const BackwardScalars& c
   for (int64_t r0 = begin; r0 + Lr <= end; r0 += Lr) {
     const int32_t* ib = idx + r0 * static_cast<int64_t>(K);
     if (r0 + 2 * Lr <= end) {  // the next batch's ids and gradients
-      const char* ni = reinterpret_cast<const char*>(ib + L * K);
-      const char* ng = reinterpret_cast<const char*>(gy + (r0 + Lr) * static_cast<int64_t>(K));
-      for (size_t b = 0; b < L * K * sizeof(int32_t); b += 64) hwy::Prefetch(ni + b);
-      for (size_t b = 0; b < L * K * sizeof(T); b += 64) hwy::Prefetch(ng + b);
+      PrefetchSlots(idx, gy, r0 + Lr, Lr, K);
     }
     load_chunk(gy + r0 * static_cast<int64_t>(K), gsb, L * K);
     const float* xb = xn + r0 * N;
@@ -748,16 +753,7 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
     for (; end - begin >= Lr; begin += Lr) {
       const int64_t r0 = begin;
       // The next batch's indices and gradients (its x_norm rows: in the row loop below).
-      if (r0 + 2 * Lr <= end) {
-        const char* ni = reinterpret_cast<const char*>(idx + (r0 + Lr) * K);
-        const char* ng = reinterpret_cast<const char*>(gy + (r0 + Lr) * K);
-        for (size_t b = 0; b < L * static_cast<size_t>(K) * sizeof(int32_t); b += 64) {
-          hwy::Prefetch(ni + b);
-        }
-        for (size_t b = 0; b < L * static_cast<size_t>(K) * sizeof(T); b += 64) {
-          hwy::Prefetch(ng + b);
-        }
-      }
+      if (r0 + 2 * Lr <= end) PrefetchSlots(idx, gy, r0 + Lr, Lr, K);
       load_chunk(gy + r0 * K, gsb, static_cast<size_t>(Lr * K));
       BatchScalars(d, c, xn, idx, gsb, r0, N, K, gp, dots);
       for (int64_t i = 0; i < Lr; ++i) {  // scatter-add (D1), slot order
