@@ -1,7 +1,9 @@
 // CPU kernel of the quantised SwiGLU forward (§6.4, D24), compiled once per SIMD target
-// (Highway) and dispatched at run time. Rows split across threads; each row in chunks of fp32
-// SwiGLU values (L1 scratch), then per block along H: amax over the finite values, the scale, and
-// the FP8 codes (round to nearest even, the same bits as PyTorch's float -> float8 casts).
+// (Highway) and dispatched at run time. Rows split across threads; per block along H: the fp32
+// SwiGLU values, their amax over the finite values, the scale, and the FP8 codes (round to
+// nearest even, the same bits as PyTorch's float -> float8 casts). On AVX-512 whole blocks go
+// through QuantBlocks (L130); elsewhere, and for y_origin and short last blocks, each row in
+// chunks of fp32 values (L1 scratch).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/swiglu_quant_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -91,10 +93,10 @@ HWY_INLINE void LaneMaxima16(const float* HWY_RESTRICT v, float* HWY_RESTRICT ou
 constexpr size_t kPrefetchAhead = 2048;
 
 #if MOEGRAD_SIMD_AVX512
-// AVX-512: whole blocks of kB = 128 (FP8) or 32 (MX) values read straight from memory and held
-// in kB / 16 registers from the SwiGLU to their codes (docs/decisions.md L130): no chunk buffer
-// to store and reload, the amax folded in with one VRANGEPS per vector, the codes of four
-// vectors packed into one 64-byte store.
+// AVX-512: whole blocks of kB = 128 (FP8) or 32 (MX) values read straight from memory
+// (docs/decisions.md L130): the block's amax from the SwiGLU values in registers (one VRANGEPS
+// per vector, no chunk pass and 16-block reduction), its scale at once, and the previous
+// block's codes from a two-block L1 buffer, four vectors packed into one 64-byte store.
 
 // 32 consecutive elements of T at p, widened into two vectors (elements 0-15 and 16-31). bf16:
 // one 64-byte load and one VPERMW per vector that moves element i to the high half of lane i
@@ -175,7 +177,7 @@ HWY_INLINE void EncodeBlockRegs(const float* HWY_RESTRICT v, float inv, bool str
   }
 }
 
-template <typename T, int64_t kB, bool kE5M2, bool kClamp, bool kCheap>
+template <typename T, int64_t kB, bool kE5M2, bool kClamp>
 HWY_NOINLINE void QuantBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1, int64_t H,
                               int64_t n, float w, float limit, bool round_scale,
                               uint8_t* HWY_RESTRICT y, float* HWY_RESTRICT sc32,
@@ -223,8 +225,8 @@ HWY_NOINLINE void QuantBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1
       VF a0, a1, b0, b1;
       LoadPair(d, x0 + h + 16 * static_cast<int64_t>(g), wlo, whi, a0, a1);
       LoadPair(d, x1 + h + 16 * static_cast<int64_t>(g), wlo, whi, b0, b1);
-      v[g] = SwigluValue<kCheap>(d, clamp.gate(a0), clamp.up(b0), vw);
-      v[g + 1] = SwigluValue<kCheap>(d, clamp.gate(a1), clamp.up(b1), vw);
+      v[g] = SwigluValue<true>(d, clamp.gate(a0), clamp.up(b0), vw);
+      v[g + 1] = SwigluValue<true>(d, clamp.gate(a1), clamp.up(b1), vw);
     }
     float* cur = vbuf + (k % 2) * kB;
     for (size_t u = 0; u < kV; ++u) hn::Store(v[u], d, cur + 16 * u);
@@ -289,11 +291,12 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
   // AVX-512: each block's vector of partial maxima, reduced 16 blocks at a time.
   HWY_ALIGN float bmax[kChunk / 32 * 16];
 #endif
-  // Whole blocks through QuantBlocks where it exists (not with y_origin, which the chunk path
-  // writes from its buffer); the rest of the row (a short last block) through the chunks.
+  // AVX-512: whole blocks through QuantBlocks (not with y_origin, which the chunk path writes
+  // from its buffer; kCheap is false only with a fp32 y_origin); the rest of the row (a short
+  // last block) through the chunks.
   int64_t nfast = 0;
 #if MOEGRAD_SIMD_AVX512
-  if constexpr (InRegister<T>::value) {
+  if constexpr (InRegister<T>::value && kCheap) {
     if (!yo && (B == 128 || B == 32)) nfast = H / B * B;
   }
 #endif
@@ -311,16 +314,18 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
     const T* x0 = x + t * 2 * H;
     const T* x1 = x0 + H;
 #if MOEGRAD_SIMD_AVX512
-    if (nfast > 0) {
-      const float wt = w ? w[t] : 1.0f;
-      float* s32 = sc32 ? sc32 + t * S : nullptr;
-      uint8_t* s8 = sc8 ? sc8 + t * S : nullptr;
-      if (B == 128) {
-        QuantBlocks<T, 128, kE5M2, kClamp, kCheap>(x0, x1, H, nfast, wt, p.clamp, p.round_scale,
-                                                   yr, s32, s8, stream);
-      } else {
-        QuantBlocks<T, 32, kE5M2, kClamp, kCheap>(x0, x1, H, nfast, wt, p.clamp, p.round_scale,
-                                                  yr, s32, s8, stream);
+    if constexpr (InRegister<T>::value && kCheap) {
+      if (nfast > 0) {
+        const float wt = w ? w[t] : 1.0f;
+        float* s32 = sc32 ? sc32 + t * S : nullptr;
+        uint8_t* s8 = sc8 ? sc8 + t * S : nullptr;
+        if (B == 128) {
+          QuantBlocks<T, 128, kE5M2, kClamp>(x0, x1, H, nfast, wt, p.clamp, p.round_scale, yr,
+                                             s32, s8, stream);
+        } else {
+          QuantBlocks<T, 32, kE5M2, kClamp>(x0, x1, H, nfast, wt, p.clamp, p.round_scale, yr,
+                                            s32, s8, stream);
+        }
       }
     }
 #endif
