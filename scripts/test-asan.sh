@@ -9,7 +9,12 @@ BUILD=build/asan
 PY=.venv/bin/python
 JOBS=${JOBS:-$(nproc)}
 
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+# -O2 plus the sanitizers' -g1 (CMakeLists.txt). The CUDA sources only where a GPU can run
+# them: nvcc takes no sanitizer, and without a GPU they would be compiled for nothing
+# (docs/decisions.md L108).
+CUDA=OFF
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then CUDA=AUTO; fi
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEGRAD_WITH_CUDA=$CUDA \
   -DMOEGRAD_SANITIZE=address,undefined -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_BUILD_PYTHON=ON \
   -DPython_EXECUTABLE="$PWD/$PY" >/dev/null
 cmake --build "$BUILD" -j "$JOBS"

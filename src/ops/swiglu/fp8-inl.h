@@ -40,7 +40,9 @@ struct Fp8Format {
 using VU32 = hn::Vec<hn::RebindToUnsigned<DF>>;
 
 // 16 (AVX-512), 8 or 4 codes from as many fp32 values: the low byte of each lane is the code
-// (sign in bit 7); the other bytes are not zero on the subnormal lanes, so narrow by truncation.
+// (sign in bit 7). AVX-512: the other bytes are zero (the packs of the quantised forward
+// narrow them with saturation); elsewhere they are not zero on the subnormal lanes, so narrow
+// by truncation.
 template <bool kE5M2>
 HWY_INLINE VU32 EncodeFp8(DF d, VF q) {
   using F = Fp8Format<kE5M2>;
@@ -63,8 +65,10 @@ HWY_INLINE VU32 EncodeFp8(DF d, VF q) {
     const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7f));
   }
-  // r | ((u >> 24) & 0x80)
-  r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80), 0xf8);
+  // Bits 0-6 from r (the code; its bit 7 is clear), the others from u >> 24: the sign in bit 7
+  // and zero above (one ternary-logic select, C ? B : A).
+  r = _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(u, 24),
+                                _mm512_set1_epi32(static_cast<int32_t>(0xffffff80u)), 0xd8);
   return VU32{r};
 #else
   const hn::RebindToUnsigned<DF> du;

@@ -1,7 +1,9 @@
 // CPU kernel of the quantised SwiGLU forward (§6.4, D24), compiled once per SIMD target
-// (Highway) and dispatched at run time. Rows split across threads; each row in chunks of fp32
-// SwiGLU values (L1 scratch), then per block along H: amax over the finite values, the scale, and
-// the FP8 codes (round to nearest even, the same bits as PyTorch's float -> float8 casts).
+// (Highway) and dispatched at run time. Rows split across threads; per block along H: the fp32
+// SwiGLU values, their amax over the finite values, the scale, and the FP8 codes (round to
+// nearest even, the same bits as PyTorch's float -> float8 casts). On AVX-512 whole blocks go
+// through QuantBlocks (L130); elsewhere, and for y_origin and short last blocks, each row in
+// chunks of fp32 values (L1 scratch).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/swiglu/swiglu_quant_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -90,7 +92,179 @@ HWY_INLINE void LaneMaxima16(const float* HWY_RESTRICT v, float* HWY_RESTRICT ou
 // Software prefetch distance of the two input streams, in bytes (L107, L123).
 constexpr size_t kPrefetchAhead = 2048;
 
-template <typename T, bool kE5M2, bool kClamp>
+#if MOEGRAD_SIMD_AVX512
+// AVX-512: whole blocks of kB = 128 (FP8) or 32 (MX) values read straight from memory
+// (docs/decisions.md L130): the block's amax from the SwiGLU values in registers (one VRANGEPS
+// per vector, no chunk pass and 16-block reduction), its scale at once, and the previous
+// block's codes from a two-block L1 buffer, four vectors packed into one 64-byte store.
+
+// 32 consecutive elements of T at p, widened into two vectors (elements 0-15 and 16-31). bf16:
+// one 64-byte load and one VPERMW per vector that moves element i to the high half of lane i
+// and zeroes the low half (the shift of Reg<bf16_t>::Widen and its load in one instruction).
+template <typename T>
+HWY_INLINE void LoadPair(DF d, const T* HWY_RESTRICT p, __m512i wlo, __m512i whi, VF& lo,
+                         VF& hi) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    (void)d;
+    const __m512i r = _mm512_loadu_si512(p);
+    lo = VF{_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, wlo, r))};
+    hi = VF{_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, whi, r))};
+  } else {
+    (void)wlo;
+    (void)whi;
+    lo = LoadF(d, p);
+    hi = LoadF(d, p + 16);
+  }
+}
+
+// max(|a|, |b|) (VRANGEPS imm 0x0b: larger magnitude, sign cleared). A quiet NaN operand gives
+// the other one and two NaN give NaN, so a tree of them gives the maximum over the finite
+// values, or inf or NaN when the values hold an inf or a lane is NaN throughout (the caller
+// then filters, as the chunk path does). The values are products, never signalling NaN.
+HWY_INLINE __m512 MaxAbs(__m512 a, __m512 b) { return _mm512_range_ps(a, b, 0x0b); }
+HWY_INLINE float MaxAbsOfLanes(__m512 m) {
+  const __m256 h8 =
+      _mm256_range_ps(_mm512_castps512_ps256(m), _mm512_extractf32x8_ps(m, 1), 0x0b);
+  __m128 h4 = _mm_range_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1), 0x0b);
+  h4 = _mm_range_ps(h4, _mm_movehl_ps(h4, h4), 0x0b);
+  h4 = _mm_range_ss(h4, _mm_movehdup_ps(h4), 0x0b);
+  return _mm_cvtss_f32(h4);
+}
+
+// The codes of 4 (2) vectors, one per 32-bit lane with zero upper bytes (EncodeFp8), narrowed
+// into 64 (32) bytes in element order: two unsigned-saturating packs (exact: the lanes are
+// below 256) work within 128-bit lanes, so one VPERMD puts the 4-byte groups in order.
+HWY_INLINE __m512i Pack4(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+  // 128-bit lane L holds the groups c0[4L..4L+3], c1[..], c2[..], c3[..]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(order, b);
+}
+HWY_INLINE __m256i Pack2(__m512i c0, __m512i c1) {
+  const __m512i w = _mm512_packus_epi32(c0, c1);
+  const __m512i b = _mm512_packus_epi16(w, w);  // lane L: c0[4L..4L+3], c1[..], twice
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, b));
+}
+
+// The codes of one block of kV vectors at v times inv, stored at out (non-temporal with
+// `stream`: out is then 64-byte aligned, or 32-byte for two vectors).
+template <size_t kV, bool kE5M2>
+HWY_INLINE void EncodeBlockRegs(const float* HWY_RESTRICT v, float inv, bool stream,
+                                uint8_t* HWY_RESTRICT out) {
+  const DF d;
+  const VF vinv = hn::Set(d, inv);
+  __m512i c[kV];
+  for (size_t u = 0; u < kV; ++u) {
+    c[u] = EncodeFp8<kE5M2>(d, hn::Mul(hn::Load(d, v + 16 * u), vinv)).raw;
+  }
+  if constexpr (kV == 2) {
+    const __m256i r = Pack2(c[0], c[1]);
+    if (stream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out), r);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), r);
+    }
+  } else {
+    for (size_t u = 0; u < kV; u += 4) {
+      const __m512i r = Pack4(c[u], c[u + 1], c[u + 2], c[u + 3]);
+      if (stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 16 * u), r);
+      } else {
+        _mm512_storeu_si512(out + 16 * u, r);
+      }
+    }
+  }
+}
+
+template <typename T, int64_t kB, bool kE5M2, bool kClamp>
+HWY_NOINLINE void QuantBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1, int64_t H,
+                              int64_t n, float w, float limit, bool round_scale,
+                              uint8_t* HWY_RESTRICT y, float* HWY_RESTRICT sc32,
+                              uint8_t* HWY_RESTRICT sc8, bool stream) {
+  constexpr size_t kV = static_cast<size_t>(kB) / 16;  // vectors per block
+  static_assert(kV == 2 || kV == 8, "blocks of 32 or 128");
+  const DF d;
+  const VF vw = hn::Set(d, w);
+  const SwigluClamp<kClamp> clamp(d, limit);
+  const float fmax = kE5M2 ? 57344.0f : 448.0f;
+  __m512i wlo = _mm512_setzero_si512(), whi = _mm512_setzero_si512();
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    alignas(64) uint16_t lo16[32], hi16[32];
+    for (int i = 0; i < 32; ++i) {  // lane i's high half: element i (lo) or 16 + i (hi)
+      lo16[i] = static_cast<uint16_t>(i / 2);
+      hi16[i] = static_cast<uint16_t>(16 + i / 2);
+    }
+    wlo = _mm512_load_si512(lo16);
+    whi = _mm512_load_si512(hi16);
+  }
+  // Non-temporal stores need 64-byte (32-byte for MX blocks) aligned code rows.
+  stream = stream && reinterpret_cast<uintptr_t>(y) % 64 == 0;
+  constexpr int64_t kAhead = static_cast<int64_t>(kPrefetchAhead / sizeof(T));
+  constexpr int64_t kLine = static_cast<int64_t>(64 / sizeof(T));
+  HWY_ALIGN float vbuf[2 * kB];  // the values of this block and of the previous one
+  float prev = 0.0f;                // the previous block's multiplier
+  for (int64_t h = 0, k = 0; h < n; h += kB, ++k) {
+    // The prefetch of L107 / L123: each 64-byte line of both halves kAhead elements ahead,
+    // continued into the next row's gate and up halves past the row end.
+    const int64_t col = h + kAhead;
+    if (col + kB <= H) {
+      for (int64_t c = 0; c < kB; c += kLine) {
+        hwy::Prefetch(x0 + col + c);
+        hwy::Prefetch(x1 + col + c);
+      }
+    } else {
+      for (int64_t c = 0; c < kB; c += kLine) {
+        const int64_t off = col + c >= H ? H : 0;
+        hwy::Prefetch(x0 + off + col + c);
+        hwy::Prefetch(x1 + off + col + c);
+      }
+    }
+    VF v[kV];
+    for (size_t g = 0; g < kV; g += 2) {
+      VF a0, a1, b0, b1;
+      LoadPair(d, x0 + h + 16 * static_cast<int64_t>(g), wlo, whi, a0, a1);
+      LoadPair(d, x1 + h + 16 * static_cast<int64_t>(g), wlo, whi, b0, b1);
+      v[g] = SwigluValue<true>(d, clamp.gate(a0), clamp.up(b0), vw);
+      v[g + 1] = SwigluValue<true>(d, clamp.gate(a1), clamp.up(b1), vw);
+    }
+    float* cur = vbuf + (k % 2) * kB;
+    for (size_t u = 0; u < kV; ++u) hn::Store(v[u], d, cur + 16 * u);
+    // The block's amax, a tree of VRANGEPS; an inf or NaN result (rare) is redone over the
+    // finite values only, as in the chunk path. Either way the maximum of the same values.
+    __m512 m = MaxAbs(v[0].raw, v[1].raw);
+    if constexpr (kV == 8) {  // written out: as a loop GCC kept the partial maxima in memory
+      const __m512 m23 = MaxAbs(v[2].raw, v[3].raw);
+      m = MaxAbs(MaxAbs(m, m23), MaxAbs(MaxAbs(v[4].raw, v[5].raw), MaxAbs(v[6].raw, v[7].raw)));
+    }
+    float amax = MaxAbsOfLanes(m);
+    if (HWY_UNLIKELY(!(amax <= 3.4028235e38f))) {
+      const VF fin = hn::Set(d, 3.4028235e38f);
+      VF vmax = hn::Zero(d);
+      for (size_t u = 0; u < kV; ++u) {
+        const VF av = hn::Abs(v[u]);
+        vmax = hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);
+      }
+      amax = hn::GetLane(hn::MaxOfLanes(d, vmax));
+    }
+    float inv;
+    const float s = BlockScale(amax, fmax, round_scale, &inv);
+    if (sc32) {
+      sc32[k] = s;
+    } else {
+      sc8[k] = static_cast<uint8_t>(f32_bits(s) >> 23);  // e8m0: the biased exponent
+    }
+    // The previous block's codes now: they do not wait on this block's amax, so the core
+    // overlaps the two (encoding each block right after its own amax left the scheduler
+    // full of instructions waiting on that one chain, and was no faster than the chunk path).
+    if (k > 0) EncodeBlockRegs<kV, kE5M2>(vbuf + ((k - 1) % 2) * kB, prev, stream, y + h - kB);
+    prev = inv;
+  }
+  if (n > 0) EncodeBlockRegs<kV, kE5M2>(vbuf + ((n / kB - 1) % 2) * kB, prev, stream, y + n - kB);
+}
+#endif
+
+template <typename T, bool kE5M2, bool kClamp, bool kCheap>
 void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t begin,
                int64_t end) {
   const DF d;
@@ -117,6 +291,15 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
   // AVX-512: each block's vector of partial maxima, reduced 16 blocks at a time.
   HWY_ALIGN float bmax[kChunk / 32 * 16];
 #endif
+  // AVX-512: whole blocks through QuantBlocks (not with y_origin, which the chunk path writes
+  // from its buffer; kCheap is false only with a fp32 y_origin); the rest of the row (a short
+  // last block) through the chunks.
+  int64_t nfast = 0;
+#if MOEGRAD_SIMD_AVX512
+  if constexpr (InRegister<T>::value && kCheap) {
+    if (!yo && (B == 128 || B == 32)) nfast = H / B * B;
+  }
+#endif
   for (int64_t t = begin; t < end; ++t) {
     uint8_t* yr = y + t * H;
     if (t >= active) {
@@ -130,16 +313,31 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
     const VF vw = hn::Set(d, w ? w[t] : 1.0f);
     const T* x0 = x + t * 2 * H;
     const T* x1 = x0 + H;
-    for (int64_t h0 = 0; h0 < H; h0 += kChunk) {
+#if MOEGRAD_SIMD_AVX512
+    if constexpr (InRegister<T>::value && kCheap) {
+      if (nfast > 0) {
+        const float wt = w ? w[t] : 1.0f;
+        float* s32 = sc32 ? sc32 + t * S : nullptr;
+        uint8_t* s8 = sc8 ? sc8 + t * S : nullptr;
+        if (B == 128) {
+          QuantBlocks<T, 128, kE5M2, kClamp>(x0, x1, H, nfast, wt, p.clamp, p.round_scale, yr,
+                                             s32, s8, stream);
+        } else {
+          QuantBlocks<T, 32, kE5M2, kClamp>(x0, x1, H, nfast, wt, p.clamp, p.round_scale, yr,
+                                            s32, s8, stream);
+        }
+      }
+    }
+#endif
+    for (int64_t h0 = nfast; h0 < H; h0 += kChunk) {
       // kChunk is a multiple of both block sizes, so blocks never straddle chunks; a block is a
       // whole number of vectors. One pass computes the SwiGLU values into `o` and each block's
       // amax over the finite values (masked for the lanes past n), block by block (no division
       // per vector); a second one encodes.
       const size_t n = static_cast<size_t>(std::min<int64_t>(kChunk, H - h0));
-      // bf16/fp16 outputs: the cheaper sigmoid (docs/decisions.md L96, L105).
-      constexpr bool kSixteen = !std::is_same_v<T, float>;
+      // kCheap: the cheaper SiLU of the 16-bit forward (docs/decisions.md L96, L105, L130).
       auto f = [&](VF va, VF vb) {
-        return SwigluValue<kSixteen>(d, clamp.gate(va), clamp.up(vb), vw);
+        return SwigluValue<kCheap>(d, clamp.gate(va), clamp.up(vb), vw);
       };
       const size_t Bs = static_cast<size_t>(B);
       // Stores one vector of values and returns the running amax of its block's finite values
@@ -238,10 +436,23 @@ void SwigluQuantForward(const SwigluQuantPlan& p) {
       HWY_ALIGN float buf[4 * kChunk];  // bounded scratch on the stack (L14)
       WithClamp(p.clamp, [&](auto on) {
         constexpr bool kClamp = decltype(on)::value;
-        if (p.e5m2) {
-          QuantRows<T, true, kClamp>(p, active, buf, b, e);
+        // The SiLU of the 16-bit forward (L96, L105) for bf16/fp16 data, and for fp32 data
+        // when only FP8 codes leave the kernel; fp32 y_origin keeps the fp32 sigmoid of L71
+        // (the values of swiglu_group, L130).
+        auto rows = [&](auto cheap) {
+          constexpr bool kCheap = decltype(cheap)::value;
+          if (p.e5m2) {
+            QuantRows<T, true, kClamp, kCheap>(p, active, buf, b, e);
+          } else {
+            QuantRows<T, false, kClamp, kCheap>(p, active, buf, b, e);
+          }
+        };
+        if constexpr (!std::is_same_v<T, float>) {
+          rows(std::true_type{});
+        } else if (!p.write_origin) {
+          rows(std::true_type{});
         } else {
-          QuantRows<T, false, kClamp>(p, active, buf, b, e);
+          rows(std::false_type{});
         }
       });
     });
