@@ -897,7 +897,8 @@ def targets_markdown(records: List[dict]) -> str:
              f"eager and ≥ {TARGET_COMPILE_BWD:g}× compile; forward ≥ {TARGET_COMPILE_FWD:g}× "
              "compile); ✗ marks a miss:", "",
              "| op | model | dtype | kernel GB/s | copy GB/s | roofline | vs eager | vs compile "
-             "| in cache GB/s |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| in cache GB/s | same-size copy GB/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     met = total = 0
     for r in rows:
         t = target_checks(r)
@@ -917,14 +918,21 @@ def targets_markdown(records: List[dict]) -> str:
         c = r.get("in_cache")
         cache = "" if c is None else (f"{c['gbps']:.1f} (T={c['T']}"
                                       + (", compute-bound)" if c["compute_bound"] else ")"))
+        sc = r.get("same_size_copy")
+        same = "" if sc is None else f"{sc['gbps']:.1f} (kernel {sc['kernel_frac']:.2f})"
         lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['gbps']:.1f} | "
-                     f"{r['copy_gbps']:.1f}{low} | {roof} | {eag} | {cmp_txt} | {cache} |")
+                     f"{r['copy_gbps']:.1f}{low} | {roof} | {eag} | {cmp_txt} | {cache} "
+                     f"| {same} |")
     lines += ["", f"{met} of {total} target checks met."]
     if any(r.get("in_cache") for r in rows):
         lines += ["", "In cache: a roofline miss's kernel on one buffer set at the largest "
                   f"halving of T that moves at most {IN_CACHE_LLC_FRACTION:g} × LLC (its "
                   "compute alone); compute-bound where that rate is below "
                   f"{TARGET_ROOF:.2f} × the run's reference copy bandwidth."]
+    if any(r.get("same_size_copy") for r in rows):
+        lines += ["", "Same-size copy: `Tensor.copy_` of a miss's bytes per call through as "
+                  "many buffer sets, interleaved with the kernel in one window; in brackets the "
+                  "kernel's rate of that window as a fraction of the copy's."]
     return "\n".join(lines) + "\n"
 
 
@@ -1178,6 +1186,45 @@ def probe_in_cache(records: List[dict], llc: int, budget: Budget, seed: int,
     sys.stdout.flush()
 
 
+def same_size_copies(nbytes: int, n_sets: int) -> List[Callable[[], object]]:
+    """`n_sets` fresh fp32 buffer pairs of nbytes / 2 each: dst.copy_(src) moves nbytes (2 x
+    size, as the reference copy counts it), one call per pair, rotated like a case's sets."""
+    n = max(1, nbytes // 8)
+    return [functools.partial(torch.empty(n).copy_, torch.ones(n)) for _ in range(n_sets)]
+
+
+def probe_same_size_copy(records: List[dict], llc: int, budget: Budget, seed: int,
+                         rounds: int = 4) -> None:
+    """For every record at TARGET_TOKENS that misses its roofline target: the kernel again,
+    interleaved in one window with a plain copy of the same bytes (`same_size_copies`) through
+    as many buffer sets as the case rotates through. A copy of a few hundred KB per call does
+    not reach the large buffer's rate (thread start, the first misses of every stream, the
+    join); `kernel_frac` = kernel / copy tells what the kernel loses beyond what any call of
+    that size loses. Stored as the record's `same_size_copy` (bytes, n_sets, gbps,
+    kernel_gbps, kernel_frac)."""
+    for r in records:
+        if r["shape"]["T"] != TARGET_TOKENS or target_checks(r)["roofline"] is not False:
+            continue
+        case = build_case(r["op"], r["model"], r["dtype"], r["shape"]["T"])
+        base = case.make(torch.Generator().manual_seed(seed))
+        n_sets = r.get("n_sets") or n_sets_for(case.bytes, llc, MAX_SETS)
+        sets = [base] + [clone_set(base) for _ in range(n_sets - 1)]
+        native = getattr(_C, case.op)
+        copies = same_size_copies(case.bytes, n_sets)
+        med, _ = time_interleaved({"kernel": [functools.partial(native, *d.native_args)
+                                              for d in sets], "copy": copies}, budget, None,
+                                  rounds)
+        gbps = case.bytes / med["kernel"] / 1e9
+        copy = 8 * (case.bytes // 8) / med["copy"] / 1e9
+        r["same_size_copy"] = dict(bytes=8 * (case.bytes // 8), n_sets=n_sets, gbps=copy,
+                                   kernel_gbps=gbps, kernel_frac=gbps / copy)
+        print(f"same-size copy: {r['op']} {r['model']} {r['dtype']} "
+              f"{case.bytes / 1e6:.2f} MB x {n_sets} sets: copy {copy:.1f} GB/s, kernel "
+              f"{gbps:.1f} GB/s ({gbps / copy:.2f} of it)")
+        del sets, copies
+    sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--layer" in argv:
@@ -1274,6 +1321,7 @@ def main(argv=None) -> int:
                            budget_s=max(60.0, 0.5 * (time.time() - t_start)))
         if records:
             probe_in_cache(records, llc, budget, args.seed, meta["copy_gbps_reference"])
+            probe_same_size_copy(records, llc, budget, args.seed, rounds)
         meta["summary"] = summarize(records)
         if records:
             print_summary(meta["summary"])

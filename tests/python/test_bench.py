@@ -446,3 +446,53 @@ def test_probe_in_cache_measures_the_roofline_misses(monkeypatch):
     assert c["compute_bound"] == (c["gbps"] < bench.TARGET_ROOF * 80.0)
     md = bench.targets_markdown([miss, met])
     assert f"(T={c['T']}" in md and "In cache:" in md
+
+
+def test_probe_same_size_copy_times_the_misses_against_a_copy_of_their_bytes(monkeypatch):
+    """Only roofline misses at TARGET_TOKENS get a same-size copy: the kernel over the record's
+    n_sets buffer sets and a copy_ of the case's bytes (2 x size) through as many buffer pairs,
+    timed in one window; kernel_frac = kernel GB/s / copy GB/s; shown in the targets table."""
+    T = bench.TARGET_TOKENS
+
+    def rec(op, model, roof):
+        return dict(op=op, model=model, dtype="bf16", shape=dict(T=T), roofline_frac=roof,
+                    speedup_eager=9.0, speedup_compile=9.0, gbps=1.0, copy_gbps=2.0,
+                    ms_kernel=1.0, n_sets=3)
+
+    miss = rec("moe_gating_top_k_backward", "gpt_oss", 0.5)
+    met = rec("moe_gating_top_k_backward", "deepseek_v3", 0.9)
+    exempt = rec("moe_gating_top_k", "gpt_oss", 0.01)
+    seen = []
+
+    def fake_time(methods, budget, probe, rounds):
+        assert set(methods) == {"kernel", "copy"} and probe is None
+        seen.append({k: len(v) for k, v in methods.items()})
+        methods["kernel"][0]()  # the real native call
+        methods["copy"][1]()    # a real copy
+        return {"kernel": 2e-5, "copy": 1e-5}, []
+
+    monkeypatch.setattr(bench, "time_interleaved", fake_time)
+    bench.probe_same_size_copy([miss, met, exempt], 32 << 20, bench.Budget(), 1)
+    assert seen == [dict(kernel=3, copy=3)]
+    assert "same_size_copy" not in met and "same_size_copy" not in exempt
+    c = miss["same_size_copy"]
+    case = bench.build_case("moe_gating_top_k_backward", "gpt_oss", "bf16", T)
+    assert case.bytes - 8 < c["bytes"] <= case.bytes and c["n_sets"] == 3
+    assert c["gbps"] == pytest.approx(c["bytes"] / 1e-5 / 1e9)
+    assert c["kernel_gbps"] == pytest.approx(case.bytes / 2e-5 / 1e9)
+    assert c["kernel_frac"] == pytest.approx(c["kernel_gbps"] / c["gbps"])
+    md = bench.targets_markdown([miss, met])
+    assert f"| {c['gbps']:.1f} (kernel {c['kernel_frac']:.2f}) |" in md
+    assert "Same-size copy:" in md
+
+
+def test_same_size_copies_move_the_bytes():
+    """Each call copies nbytes / 2 into its own buffer (counted 2 x size), one pair per set."""
+    calls = bench.same_size_copies(1000, 4)
+    assert len(calls) == 4
+    dst = calls[2].func.__self__
+    src = calls[2].args[0]
+    assert dst.numel() * 8 == 1000 and src.data_ptr() != dst.data_ptr()
+    assert len({c.func.__self__.data_ptr() for c in calls}) == 4
+    calls[2]()
+    assert bool((dst == 1.0).all())
