@@ -1160,6 +1160,12 @@ def in_cache_tokens(op: str, model: str, dtype: str, tokens: int, limit: int) ->
     return t
 
 
+def roofline_misses(records: List[dict]) -> List[dict]:
+    """The records at TARGET_TOKENS that miss their roofline target (the probes' subjects)."""
+    return [r for r in records
+            if r["shape"]["T"] == TARGET_TOKENS and target_checks(r)["roofline"] is False]
+
+
 def probe_in_cache(records: List[dict], llc: int, budget: Budget, seed: int,
                    ref_copy: float) -> None:
     """The kernel's rate with its data in cache, for every record at TARGET_TOKENS that misses
@@ -1168,9 +1174,7 @@ def probe_in_cache(records: List[dict], llc: int, budget: Budget, seed: int,
     in the cache. That rate is the kernel's compute alone; below TARGET_ROOF x `ref_copy` (the
     run's reference copy bandwidth) the miss is a compute bound, not a memory one. Stored as
     the record's `in_cache` (T, bytes, ms_kernel, gbps, compute_bound)."""
-    for r in records:
-        if r["shape"]["T"] != TARGET_TOKENS or target_checks(r)["roofline"] is not False:
-            continue
+    for r in roofline_misses(records):
         t = in_cache_tokens(r["op"], r["model"], r["dtype"], r["shape"]["T"],
                             int(IN_CACHE_LLC_FRACTION * llc))
         case = build_case(r["op"], r["model"], r["dtype"], t)
@@ -1202,9 +1206,7 @@ def probe_same_size_copy(records: List[dict], llc: int, budget: Budget, seed: in
     join); `kernel_frac` = kernel / copy tells what the kernel loses beyond what any call of
     that size loses. Stored as the record's `same_size_copy` (bytes, n_sets, gbps,
     kernel_gbps, kernel_frac)."""
-    for r in records:
-        if r["shape"]["T"] != TARGET_TOKENS or target_checks(r)["roofline"] is not False:
-            continue
+    for r in roofline_misses(records):
         case = build_case(r["op"], r["model"], r["dtype"], r["shape"]["T"])
         base = case.make(torch.Generator().manual_seed(seed))
         n_sets = r.get("n_sets") or n_sets_for(case.bytes, llc, MAX_SETS)

@@ -89,6 +89,18 @@ HWY_INLINE void LaneMaxima16(const float* HWY_RESTRICT v, float* HWY_RESTRICT ou
 }
 #endif
 
+// The largest finite code of the FP8 format, the scale's target for a block's amax.
+template <bool kE5M2>
+constexpr float Fp8Max() { return kE5M2 ? 57344.0f : 448.0f; }
+
+constexpr float kMaxFiniteF = 3.4028235e38f;  // the largest finite float
+
+// max(vmax, av) where av (an |value|) is finite: inf and NaN take no part in a block's amax
+// (L73); `fin` holds kMaxFiniteF in every lane.
+HWY_INLINE VF MaxFinite(VF vmax, VF av, VF fin) {
+  return hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);
+}
+
 // Software prefetch distance of the two input streams, in bytes (L107, L123).
 constexpr size_t kPrefetchAhead = 2048;
 
@@ -187,7 +199,7 @@ HWY_NOINLINE void QuantBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1
   const DF d;
   const VF vw = hn::Set(d, w);
   const SwigluClamp<kClamp> clamp(d, limit);
-  const float fmax = kE5M2 ? 57344.0f : 448.0f;
+  const float fmax = Fp8Max<kE5M2>();
   __m512i wlo = _mm512_setzero_si512(), whi = _mm512_setzero_si512();
   if constexpr (std::is_same_v<T, bf16_t>) {
     alignas(64) uint16_t lo16[32], hi16[32];
@@ -238,13 +250,10 @@ HWY_NOINLINE void QuantBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1
       m = MaxAbs(MaxAbs(m, m23), MaxAbs(MaxAbs(v[4].raw, v[5].raw), MaxAbs(v[6].raw, v[7].raw)));
     }
     float amax = MaxAbsOfLanes(m);
-    if (HWY_UNLIKELY(!(amax <= 3.4028235e38f))) {
-      const VF fin = hn::Set(d, 3.4028235e38f);
+    if (HWY_UNLIKELY(!(amax <= kMaxFiniteF))) {
+      const VF fin = hn::Set(d, kMaxFiniteF);
       VF vmax = hn::Zero(d);
-      for (size_t u = 0; u < kV; ++u) {
-        const VF av = hn::Abs(v[u]);
-        vmax = hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);
-      }
+      for (size_t u = 0; u < kV; ++u) vmax = MaxFinite(vmax, hn::Abs(v[u]), fin);
       amax = hn::GetLane(hn::MaxOfLanes(d, vmax));
     }
     float inv;
@@ -270,7 +279,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
   const DF d;
   const size_t N = hn::Lanes(d);
   const int64_t H = p.H, B = p.block, S = p.scale_stride;
-  const float fmax = kE5M2 ? 57344.0f : 448.0f;
+  const float fmax = Fp8Max<kE5M2>();
   const T* x = typed<T>(p.x);
   const float* w = p.has_weight ? typed<float>(p.weight) : nullptr;
   uint8_t* y = static_cast<uint8_t*>(p.y.data);
@@ -278,7 +287,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
   float* sc32 = p.quant_mode == 0 ? typed<float>(p.y_scale) : nullptr;
   uint8_t* sc8 = p.quant_mode == 1 ? static_cast<uint8_t*>(p.y_scale.data) : nullptr;
   const SwigluClamp<kClamp> clamp(d, p.clamp);
-  const VF fin = hn::Set(d, 3.4028235e38f);
+  const VF fin = hn::Set(d, kMaxFiniteF);
   // Non-temporal stores once the codes (and y_origin) are too big to stay cached (L72).
   const bool stream = stream_output(p.T * H * static_cast<int64_t>(yo ? 1 + sizeof(T) : 1));
   std::fill(buf, buf + 4 * kChunk, 0.0f);
@@ -348,7 +357,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
         if constexpr (decltype(tail)::value) {
           if (i + N > n) av = hn::IfThenElseZero(hn::FirstN(d, n - i), av);
         }
-        return hn::IfThenElse(hn::Le(av, fin), hn::Max(vmax, av), vmax);  // finite values only
+        return MaxFinite(vmax, av, fin);
       };
       // Whole vectors come straight from memory; the rest (the tail, or every element of a
       // type without an in-register conversion) from the widened chunk.
