@@ -343,6 +343,10 @@ def _finalize_setup(ctx, inputs, output):
     ctx.k = idx.shape[0] // rows if rows > 0 else (1 if k is None else k)
     ctx.has_scales = _present(scales)
     ctx.has_bias = _present(bias)
+    # Optional inputs given with 0 elements count as absent, but one that requires grad still
+    # gets a (zero-element) gradient of its own shape, as autograd of the formula gives it.
+    ctx.empty = {i: (t.shape, t.dtype, t.device) for i, t in ((4, bias), (5, scales))
+                 if t is not None and t.numel() == 0}
     ctx.save_for_backward(expanded_x, idx, scales if ctx.has_scales else None,
                           bias if ctx.has_bias else None, expert_idx)
 
@@ -377,6 +381,9 @@ def _finalize_backward(ctx, grad_out):
     # per-expert sum, expanded_x and scales the V2Grad op's outputs; modes 2/3 too.
     needs = _needs(ctx, 9)
     grads = [None] * 9
+    for i, (shape, dtype, device) in ctx.empty.items():
+        if needs[i]:
+            grads[i] = torch.zeros(shape, dtype=dtype, device=device)
     expanded_x, idx, scales, bias, expert_idx = ctx.saved_tensors
     grad_out = grad_out.contiguous()
     if needs[2]:
@@ -406,7 +413,8 @@ def _finalize_backward(ctx, grad_out):
                                         bias if scales is not None else None, grad_mode,
                                         active_num, expert_num, capacity)
     grads[0] = gex if want_x else None
-    grads[5] = gs if want_s else None
+    if want_s:
+        grads[5] = gs
     return tuple(grads)
 
 

@@ -441,6 +441,30 @@ def test_finalize_int64_index_autograd(gen):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
+@pytest.mark.parametrize("drop_pad_mode", [0, 1, 2, 3])
+def test_finalize_zero_tokens_every_input_gets_its_gradient(gen, drop_pad_mode):
+    """R = 0 (§7.3): optional inputs with 0 elements count as absent in the forward, yet each
+    one that requires grad gets a gradient of its own (empty) shape, as autograd of the formula
+    gives it; none is None. The drop-pad bias (E rows) gets its zero per-expert sum."""
+    K, H, E, C = 2, 8, 3, 4
+    droppad = drop_pad_mode in (1, 3)
+    ex = (randn(gen, E, C, H) if droppad else randn(gen, 0, H)).requires_grad_()
+    scales = rand(gen, 0, K).requires_grad_()
+    x1 = randn(gen, 0, H).requires_grad_()
+    bias = randn(gen, E, H).requires_grad_() if drop_pad_mode else None
+    eid = torch.zeros(0, K, dtype=I32)
+    out = moegrad.moe_finalize_routing(ex, torch.zeros(0, dtype=I32), x1=x1, bias=bias,
+                                       scales=scales, expert_idx=eid,
+                                       drop_pad_mode=drop_pad_mode, k=K)
+    assert out.shape == (0, H)
+    out.backward(torch.zeros(0, H))
+    want = [(ex, ex.shape), (scales, (0, K)), (x1, (0, H))] + ([(bias, (E, H))] if bias is not None
+                                                              else [])
+    for t, shape in want:
+        assert t.grad is not None and t.grad.shape == shape and t.grad.dtype == t.dtype
+        assert torch.count_nonzero(t.grad) == 0
+
+
 def test_finalize_only_x1_x2_bias_require_grad(gen):
     """D23: only x1, x2 and bias differentiable -> their true gradients, no warning, and the
     V2Grad op is not needed."""
