@@ -552,9 +552,14 @@ def time_interleaved(methods: Dict[str, Sequence[Callable[[], object]]], budget:
     Each method rotates through its list of calls (one per buffer set). Warm-up: one pass over
     the sets (at most 64 calls, at least `warmup_calls`; one call when a call takes longer than
     the budget). Then `rounds` rounds; a round takes one copy sample (when `probe` is given),
-    then gives every method in turn its share of the budget: calls until both
-    ceil(min_calls / rounds) (one for calls slower than the budget) and seconds / rounds are
-    reached, or max_calls / rounds. One more copy sample closes the window.
+    then gives every method in turn its share of the budget: one untimed lead-in call (not for
+    calls slower than the budget), then calls until both ceil(min_calls / rounds) (one for
+    calls slower than the budget) and seconds / rounds are reached, or max_calls / rounds. One
+    more copy sample closes the window. The lead-in makes each timed call follow a call of its
+    own method, as an op's calls follow each other in a training loop, instead of the state
+    another method's long call left behind: on a VM that hands free memory back to its host,
+    a fresh output's pages cost several times the op itself right after an eager call of a
+    few seconds (docs/decisions.md L139).
     Returns ({name: median seconds}, [copy GB/s samples])."""
     state = {name: _Method(fns, budget) for name, fns in methods.items()}
     samples: List[float] = []
@@ -563,6 +568,8 @@ def time_interleaved(methods: Dict[str, Sequence[Callable[[], object]]], budget:
         if probe is not None:
             samples.append(probe.measure(reps=3))
         for m in state.values():
+            if not m.slow:
+                m.call()  # the lead-in, untimed
             need = 1 if m.slow else math.ceil(budget.min_calls / rounds)
             cap = max(need, budget.max_calls // rounds)
             start = time.perf_counter()

@@ -104,12 +104,43 @@ def test_time_interleaved_shares_one_window():
             rounds.append(cur)
         else:
             cur.append(e[0])
-    # two rounds, each with both methods' calls (2 = ceil(4 / 2) each), in method order, and
-    # the closing sample
-    assert rounds == [["a", "a", "b", "b"], ["a", "a", "b", "b"], []], timed
+    # two rounds, each with both methods' calls (an untimed lead-in, then 2 = ceil(4 / 2)
+    # timed), in method order, and the closing sample
+    assert rounds == [["a"] * 3 + ["b"] * 3, ["a"] * 3 + ["b"] * 3, []], timed
     assert timed[-1] == "probe"
     # each method rotates through its buffer sets, continuing after its warm-up pass
-    assert [s for n, s in (e for e in log if e != "probe") if n == "b"] == [0, 1, 2, 0, 1, 2, 0]
+    assert [s for n, s in (e for e in log if e != "probe") if n == "b"] == [0, 1, 2] * 3
+
+
+def test_time_interleaved_times_only_calls_after_a_lead_in():
+    """The first call of a method in each round is not timed (a lead-in): a call that is slow
+    only because another method ran before it (fresh memory the VM had returned to its host)
+    does not enter the median. Slow methods (one call per round) get no lead-in."""
+    clock = {"t": 0.0, "prev": None}
+    calls = {"a": 0, "slow": 0}
+
+    def fake_perf_counter():
+        return clock["t"]
+
+    def step(name, cost_first, cost_next):
+        def f():
+            calls[name] += 1
+            clock["t"] += cost_first if clock["prev"] != name else cost_next
+            clock["prev"] = name
+        return f
+
+    methods = {"a": [step("a", 5.0, 1.0)], "slow": [step("slow", 20.0, 20.0)]}
+    budget = bench.Budget(min_calls=3, max_calls=3, seconds=10.0, warmup_calls=1)
+    orig = bench.time.perf_counter
+    bench.time.perf_counter = fake_perf_counter
+    try:
+        med, _ = bench.time_interleaved(methods, budget, None, 3)
+    finally:
+        bench.time.perf_counter = orig
+    assert med["a"] == 1.0, med           # every timed call of a followed a call of a
+    assert med["slow"] == 20.0
+    # slow: 1 warm-up call and one per round, no lead-ins; a: 1 warm-up, 3 x (lead-in + 1)
+    assert calls == {"a": 7, "slow": 4}, calls
 
 
 def test_remeasure_low_copy_keeps_the_best_window(monkeypatch):
