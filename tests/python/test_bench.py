@@ -112,7 +112,7 @@ def test_time_interleaved_shares_one_window():
     assert [s for n, s in (e for e in log if e != "probe") if n == "b"] == [0, 1, 2] * 3
 
 
-def test_time_interleaved_times_only_calls_after_a_lead_in():
+def test_time_interleaved_times_only_calls_after_a_lead_in(monkeypatch):
     """The first call of a method in each round is not timed (a lead-in): a call that is slow
     only because another method ran before it (fresh memory the VM had returned to its host)
     does not enter the median. Slow methods (one call per round) get no lead-in."""
@@ -131,12 +131,8 @@ def test_time_interleaved_times_only_calls_after_a_lead_in():
 
     methods = {"a": [step("a", 5.0, 1.0)], "slow": [step("slow", 20.0, 20.0)]}
     budget = bench.Budget(min_calls=3, max_calls=3, seconds=10.0, warmup_calls=1)
-    orig = bench.time.perf_counter
-    bench.time.perf_counter = fake_perf_counter
-    try:
-        med, _ = bench.time_interleaved(methods, budget, None, 3)
-    finally:
-        bench.time.perf_counter = orig
+    monkeypatch.setattr(bench.time, "perf_counter", fake_perf_counter)
+    med, _ = bench.time_interleaved(methods, budget, None, 3)
     assert med["a"] == 1.0, med           # every timed call of a followed a call of a
     assert med["slow"] == 20.0
     # slow: 1 warm-up call and one per round, no lead-ins; a: 1 warm-up, 3 x (lead-in + 1)
