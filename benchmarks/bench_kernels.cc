@@ -33,6 +33,10 @@
 
 #include "moegrad/moegrad.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace {
 
 using moegrad::DType;
@@ -422,6 +426,71 @@ void BM_Op(benchmark::State& state, Op op, const Model& m, DType dt) {
   moegrad::set_num_threads(0);
 }
 
+// The ceiling of a read-mostly loop on this machine: K sequential fp32 input streams of
+// 64 MB summed into one output with non-temporal stores (what the gather-sum kernels do at
+// best: the init routing grad and finalize routing read K rows per token and stream one row
+// out), bytes = (K + 1) x 64 MB, timed in alternation with a copy of 128 MB with ordinary
+// stores (as Tensor.copy_, the Python harness's reference; 2 x size). "roof" = the median
+// read-sum rate over the median copy rate of the same iterations: how far above the copy
+// bandwidth such a loop can go when nothing but memory limits it (docs/decisions.md L142).
+void BM_StreamReadSum(benchmark::State& state) {
+  const size_t K = static_cast<size_t>(state.range(0));
+  const int threads = std::max(1, static_cast<int>(state.range(1)));
+  const size_t n = (size_t{64} << 20) / sizeof(float), cn = 2 * n;
+  std::vector<std::vector<float>> in(K, std::vector<float>(n, 1.0f));
+  std::vector<float> out(n + 16, 0.0f), src(cn, 1.0f), dst(cn + 16, 0.0f);
+  float* o = out.data();
+  while (reinterpret_cast<uintptr_t>(o) % 16 != 0) ++o;
+  auto read_sum = [&](size_t lo, size_t hi) {
+    size_t i = lo;
+#if defined(__SSE2__)
+    for (; i + 4 <= hi; i += 4) {
+      __m128 acc = _mm_setzero_ps();
+      for (size_t k = 0; k < K; ++k) acc = _mm_add_ps(acc, _mm_loadu_ps(in[k].data() + i));
+      _mm_stream_ps(o + i, acc);
+    }
+    _mm_sfence();
+#endif
+    for (; i < hi; ++i) {
+      float acc = 0.0f;
+      for (size_t k = 0; k < K; ++k) acc += in[k][i];
+      o[i] = acc;
+    }
+  };
+  auto copy = [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) dst[i] = src[i];
+  };
+  auto timed = [&](size_t len, auto&& body) {  // seconds of body over `threads` slices
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    auto cut = [&](int t) { return len * static_cast<size_t>(t) / threads / 4 * 4; };
+    for (int t = 1; t < threads; ++t) {
+      pool.emplace_back([&, t] { body(cut(t), t + 1 == threads ? len : cut(t + 1)); });
+    }
+    body(0, threads > 1 ? cut(1) : len);
+    for (auto& th : pool) th.join();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  timed(n, read_sum);
+  timed(cn, copy);
+  const double bytes = static_cast<double>((K + 1) * n * sizeof(float));
+  std::vector<double> rs, cp;
+  for (auto _ : state) {
+    const double c = timed(cn, copy);
+    const double t = timed(n, read_sum);
+    state.SetIterationTime(t);
+    cp.push_back(2.0 * static_cast<double>(cn * sizeof(float)) / c / 1e9);
+    rs.push_back(bytes / t / 1e9);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  state.SetBytesProcessed(static_cast<int64_t>(static_cast<double>(state.iterations()) * bytes));
+  state.counters["copy_GBps"] = median(cp);
+  state.counters["roof"] = median(rs) / std::max(median(cp), 1e-9);
+}
+
 std::vector<int64_t> parse_tokens(int* argc, char** argv) {
   std::vector<int64_t> tokens = {16, 2048};
   int out = 1;
@@ -466,6 +535,12 @@ int main(int argc, char** argv) {
       }
     }
   }
+  benchmark::RegisterBenchmark("stream_read_sum", BM_StreamReadSum)
+      ->ArgNames({"K", "threads"})
+      ->Args({4, 2})
+      ->Args({8, 2})
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   std::printf("LLC %lld MiB; copy bandwidth measured per thread count (memcpy, 2 x size)\n",

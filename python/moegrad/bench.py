@@ -894,6 +894,19 @@ def target_checks(r: dict) -> Dict[str, Optional[bool]]:
                                                    else TARGET_COMPILE_FWD))
 
 
+def compile_ceiling(r: dict) -> Optional[float]:
+    """The largest public-op-vs-compile ratio the record's window allowed, were the public op's
+    kernel at 1.0 of the window's copy bandwidth (a read-mostly loop does not beat the copy on
+    the development machine: `stream_read_sum` in moegrad_bench_kernels, docs/decisions.md
+    L142): ms_compile / (bytes / copy + the public op's measured cost beyond its kernel, i.e.
+    output allocation and first touch, which compile's fresh output pays too). None without a
+    compile time."""
+    if r.get("ms_compile") is None or not r.get("copy_gbps"):
+        return None
+    floor_ms = r["bytes"] / (r["copy_gbps"] * 1e9) * 1e3
+    return r["ms_compile"] / (floor_ms + max(0.0, r["ms_moegrad"] - r["ms_kernel"]))
+
+
 def targets_markdown(records: List[dict]) -> str:
     """One row per case at TARGET_TOKENS: each target's figure and whether it is met."""
     rows = [r for r in records if r["shape"]["T"] == TARGET_TOKENS]
@@ -920,7 +933,9 @@ def targets_markdown(records: List[dict]) -> str:
             roof = cell(f"{r['roofline_frac']:.2f}", t["roofline"])
         cmp_ = r.get("speedup_compile")
         eag = cell(f"{r['speedup_eager']:.1f}×", t["eager"])
-        cmp_txt = "–" if cmp_ is None else cell(f"{cmp_:.1f}×", t["compile"])
+        cmp_txt = "–" if cmp_ is None else cell(f"{cmp_:.2f}×", t["compile"])
+        if t["compile"] is False and compile_ceiling(r) is not None:
+            cmp_txt += f" (ceiling {compile_ceiling(r):.2f}×)"
         low = "*" if r.get("copy_low") else ""
         c = r.get("in_cache")
         cache = "" if c is None else (f"{c['gbps']:.1f} (T={c['T']}"
@@ -936,6 +951,12 @@ def targets_markdown(records: List[dict]) -> str:
                   f"halving of T that moves at most {IN_CACHE_LLC_FRACTION:g} × LLC (its "
                   "compute alone); compute-bound where that rate is below "
                   f"{TARGET_ROOF:.2f} × the run's reference copy bandwidth."]
+    if any(target_checks(r)["compile"] is False for r in rows):
+        lines += ["", "Ceiling (a vs-compile miss): compile's time over the public op's least "
+                  "possible time in that window, i.e. its bytes at 1.0 of the window's copy "
+                  "bandwidth plus its measured cost beyond the kernel (output allocation and "
+                  "first touch, which compile's own output pays as well). Below the target, "
+                  "the target was out of reach in that window."]
     if any(r.get("same_size_copy") for r in rows):
         lines += ["", "Same-size copy: `Tensor.copy_` of a miss's bytes per call through as "
                   "many buffer sets, interleaved with the kernel in one window; in brackets the "

@@ -437,7 +437,25 @@ def test_target_checks_follow_the_issue_targets():
                                                                  compile=None)
     md = bench.targets_markdown([rec("moe_init_routing_grad", 0.71, 4.1, 1.49),
                                  rec("moe_gating_top_k", 0.01, 1.0, None)])
-    assert "1.5× ✗" in md and "exempt" in md and "2 of 3 target checks met." in md
+    assert "1.49× ✗" in md and "exempt" in md and "2 of 3 target checks met." in md
+    assert "ceiling" not in md  # no compile time in these records: no ceiling to give
+
+
+def test_compile_ceiling_is_the_window_s_best_possible_ratio():
+    """A vs-compile miss shows the largest ratio its window allowed: compile's time over the
+    bytes at 1.0 of the copy plus the public op's cost beyond its kernel."""
+    r = dict(op="moe_init_routing_grad", model="m", dtype="bf16",
+             shape=dict(T=bench.TARGET_TOKENS), roofline_frac=0.9, speedup_eager=50.0,
+             speedup_compile=1.4, gbps=1.0, copy_gbps=25.0, bytes=500_000_000,
+             ms_kernel=22.0, ms_moegrad=26.0, ms_compile=36.4)
+    # floor 500 MB / 25 GB/s = 20 ms, plus 4 ms beyond the kernel: 36.4 / 24 = 1.5167
+    assert bench.compile_ceiling(r) == pytest.approx(36.4 / 24.0)
+    assert "1.40× ✗ (ceiling 1.52×)" in bench.targets_markdown([r])
+    r2 = dict(r, ms_moegrad=21.0)  # public op faster than its kernel: no negative cost
+    assert bench.compile_ceiling(r2) == pytest.approx(36.4 / 20.0)
+    assert bench.compile_ceiling(dict(r, ms_compile=None)) is None
+    met = dict(r, speedup_compile=1.6)
+    assert "ceiling" not in bench.targets_markdown([met])
 
 
 def test_probe_in_cache_measures_the_roofline_misses(monkeypatch):

@@ -195,8 +195,9 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
 // and vector for that reason). Each row leaves its G row +0 again. Rows past the last
 // whole batch, and rows of more than kBatchSlots slots or kBatchExperts experts, take the
 // one-row form of the same arithmetic (OneRows, software-pipelined, L119). On AVX-512 the
-// batches of K in {2, 4, 8} slots and up to 256 experts are built in registers instead
-// (reg::Rows, reg::Wide; L110, L120).
+// batches of K in {2, 4, 8} slots and up to 256 experts are built in registers instead, and
+// write each row at G = +0 before its selected lanes (reg::Rows, reg::Wide; L110, L120,
+// L141).
 constexpr int64_t kBatchSlots = 16;
 constexpr int64_t kBatchExperts = 64;
 constexpr size_t kBatchRows = 16;  // at most Lanes(d) rows a batch (AVX-512)
@@ -314,8 +315,9 @@ HWY_INLINE void BatchScalars(DF d, const BackwardScalars& c, const float* xn, co
 
 // One row's output from its G row Gr (+0 again afterwards) and softmax dot: the vectors of
 // the row, in pairs where bf16 pairs narrow in one instruction (x2), then single vectors and
-// the tail. ahead: the row to prefetch alongside (the batch path), or null.
-template <typename T>
+// the tail. ahead: the row to prefetch alongside (the batch path), or null. kZeroG: G = +0
+// throughout, Gr is not read (the selected lanes are written afterwards; reg::Wide).
+template <typename T, bool kZeroG = false>
 HWY_INLINE void RowOut(DF d, int64_t norm_type, const float* HWY_RESTRICT xr,
                        float* HWY_RESTRICT Gr, float dot_s, T* HWY_RESTRICT o, size_t Nz,
                        bool x2, const float* ahead) {
@@ -325,6 +327,7 @@ HWY_INLINE void RowOut(DF d, int64_t norm_type, const float* HWY_RESTRICT xr,
   // Each G vector is read once and left +0 for the next row (whole-vector stores: a loop
   // resetting only the K entries the row touched compiles to a slow vector scatter).
   auto grad_at = [&](size_t j) {
+    if constexpr (kZeroG) return hn::Zero(d);
     const VF g = hn::Load(d, Gr + j);
     hn::Store(hn::Zero(d), d, Gr + j);
     return g;
@@ -366,12 +369,12 @@ HWY_INLINE void PrefetchSlots(const int32_t* idx, const T* gy, int64_t r, int64_
 // slots): the selected scores of a row by a lane permutation of its x_norm row (VPERMT2PS:
 // rows of up to 32 experts are two vectors), merged into the row's K lanes. Log2(K) rounds of
 // even/odd lane concatenations then turn the K row-major vectors into one vector per slot (lane
-// = row), the layout of the batch arithmetic (BatchScalars). Each row's G is then built in
-// registers (a compare and a masked add per slot and vector, slot order: repeats summed, D1)
-// instead of being scattered into a tile. The scalar gather with a bounds branch per slot and
-// the scatter took about 20 and 15 % of the kernel's time at GPT-OSS shapes; every value is
-// computed by the same operations in the same order, so the bits are those of the portable
-// batch.
+// = row), the layout of the batch arithmetic (BatchScalars). No G row is built: each row is
+// written at G = +0, then its K selected lanes are overwritten with the values BatchSlots
+// computed for the slots, one lane per row (L141; building G took a compare and a masked add
+// per slot and vector). The scalar gather with a bounds branch per slot and the scatter took
+// about 20 and 15 % of the kernel's time at GPT-OSS shapes; every value is computed by the
+// same operations in the same order, so the bits are those of the portable batch.
 namespace reg {
 
 // Slot-major from row-major: v[0..K) hold L rows of K slots (row-major); afterwards v[s] is
@@ -417,10 +420,15 @@ HWY_INLINE void SlotMath(DF d, const BackwardScalars& c, const VF* w, const VF* 
   }
 }
 
-// A batch's row-major w, e, g (K vectors each) made slot-major, then SlotMath; stored as
-// gpt[k * 16 + lane] = g'_k, et[k * 16 + lane] = expert id, dots[lane] (softmax dot).
-template <size_t K, class VI>
-HWY_INLINE void BatchSlots(DF d, const BackwardScalars& c, VF* w, VI* e, VF* g, float* gpt,
+// A batch's row-major w, e, g (K vectors each) made slot-major, then SlotMath, then the
+// outputs of the selected lanes: slot k of row (lane) i gets SlotGradValue at x = w_k with G =
+// the sum, from +0 in slot order, of the g'_k' of that row's slots with k's id (D1) - the value
+// the dense form computes in that lane, from the same operations in the same order. Stored as
+// vt[k * 16 + lane] (narrowed to T by StoreF, the exact conversion), et[k * 16 + lane] = id,
+// dots[lane] (softmax dot). Every other lane of a row is its value at G = +0 (docs/decisions.md
+// L141).
+template <size_t K, typename T, class VI>
+HWY_INLINE void BatchSlots(DF d, const BackwardScalars& c, VF* w, VI* e, VF* g, T* vt,
                            int32_t* et, float* dots) {
   const hn::RebindToSigned<DF> di;
   const size_t L = hn::Lanes(d);
@@ -431,8 +439,23 @@ HWY_INLINE void BatchSlots(DF d, const BackwardScalars& c, VF* w, VI* e, VF* g, 
   SlotMath<K>(d, c, w, g, gp, dot);
   hn::Store(dot, d, dots);
   for (size_t k = 0; k < K; ++k) {
-    hn::Store(gp[k], d, gpt + k * L);
+    VF G = hn::Zero(d);
+    for (size_t s = 0; s < K; ++s) {
+      G = hn::IfThenElse(hn::RebindMask(d, hn::Eq(e[s], e[k])), hn::Add(G, gp[s]), G);
+    }
+    StoreF(d, SlotGradValue(d, c.norm_type, w[k], G, dot), vt + k * L);
     hn::Store(e[k], di, et + k * L);
+  }
+}
+
+// Row i of a batch: the selected lanes' outputs over the dense G = +0 row just written at o
+// (scalar stores into lines this thread owns; nothing reads them back).
+template <size_t K, typename T>
+HWY_INLINE void SlotStores(const T* vt, const int32_t* et, size_t i, int64_t N, T* HWY_RESTRICT o) {
+  for (size_t k = 0; k < K; ++k) {
+    const int32_t ek = et[k * 16 + i];
+    // Out-of-range device indices are skipped (never written out of bounds).
+    if (HWY_LIKELY(static_cast<uint32_t>(ek) < static_cast<uint32_t>(N))) o[ek] = vt[k * 16 + i];
   }
 }
 
@@ -476,7 +499,7 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
   const VI below = hn::Set(di, static_cast<int32_t>(N));
   const VI none = hn::Set(di, -1);
   const bool x2 = UseBf16x2<T>();
-  HWY_ALIGN float gpt[K * L];  // [k][lane]: g'_k of the batch's rows
+  HWY_ALIGN T vt[K * L];        // [k][lane]: the outputs of the batch's selected lanes
   HWY_ALIGN int32_t et[K * L];  // [k][lane]: their ids
   HWY_ALIGN float dots[L];
   HWY_ALIGN float gsb[K * L];  // grad_y of a batch, fp32, row-major
@@ -505,25 +528,16 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
       const auto valid = hn::And(hn::Gt(e[m], none), hn::Lt(e[m], below));
       w[m] = hn::IfThenElseZero(hn::RebindMask(d, valid), w[m]);
     }
-    BatchSlots<K>(d, c, w, e, g, gpt, et, dots);
+    BatchSlots<K>(d, c, w, e, g, vt, et, dots);
     for (size_t i = 0; i < L; ++i) {
       const int64_t r = r0 + static_cast<int64_t>(i);
       const float* xr = xn + r * N;
       // The same row of the next batch: the lookups above read each row of a batch before the
       // loop here streams it out.
       const float* ahead = r + static_cast<int64_t>(L) < end ? xr + L * Nz : nullptr;
-      VF G[NV];
-      for (size_t v = 0; v < NV; ++v) G[v] = hn::Zero(d);
-      for (size_t k = 0; k < K; ++k) {
-        const VI ek = hn::Sub(hn::Set(di, et[k * L + i]), hn::Iota(di, 0));
-        const VF gk = hn::Set(d, gpt[k * L + i]);
-        for (size_t v = 0; v < NV; ++v) {
-          const auto hit = hn::RebindMask(d, hn::Eq(ek, hn::Set(di, static_cast<int32_t>(v * L))));
-          G[v] = hn::IfThenElse(hit, hn::Add(G[v], gk), G[v]);
-        }
-      }
       const VF dv = hn::Set(d, dots[i]);
-      auto value = [&](VF x, VF gv) { return SlotGradValue(d, norm_type, x, gv, dv); };
+      // The row at G = +0; its K selected lanes are overwritten below.
+      auto value = [&](VF x) { return SlotGradValue(d, norm_type, x, hn::Zero(d), dv); };
       T* o = gx + r * N;
       size_t v = 0;
       if (x2) {  // bf16 pairs of whole vectors in one conversion (GPT-OSS: the whole row)
@@ -533,19 +547,19 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
             hwy::Prefetch(ahead + j);
             hwy::Prefetch(ahead + j + L);
           }
-          StorePair(d, value(hn::LoadU(d, xr + j), G[v]), value(hn::LoadU(d, xr + j + L), G[v + 1]),
-                    o + j, true);
+          StorePair(d, value(hn::LoadU(d, xr + j)), value(hn::LoadU(d, xr + j + L)), o + j, true);
         }
       }
       for (; v < NV; ++v) {
         const size_t j = v * L;
         if (ahead && j < Nz) hwy::Prefetch(ahead + j);
         if (j + L <= Nz) {
-          StoreF(d, value(hn::LoadU(d, xr + j), G[v]), o + j);
+          StoreF(d, value(hn::LoadU(d, xr + j)), o + j);
         } else if (j < Nz) {
-          StoreFN(d, value(LoadFN(d, xr + j, Nz - j), G[v]), o + j, Nz - j);
+          StoreFN(d, value(LoadFN(d, xr + j, Nz - j)), o + j, Nz - j);
         }
       }
+      SlotStores<K>(vt, et, i, N, o);
     }
   }
 }
@@ -553,12 +567,11 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
 // Rows of 64 < N <= 256 experts (DeepSeek-V3: N = 256, K = 8), 16 at a time as in Rows, with
 // the selected scores fetched by one masked hardware gather per row-major vector (a row does
 // not fit a lane permutation); docs/decisions.md L120. The one-row form did 2K dependent scalar
-// divisions and two sums of K terms in a chain per row; here they serve 16 rows. Each row's G
-// is scattered into one of two G rows while the row before it is written out (as in OneRows);
-// a tile of the batch's 16 G rows (16 KB) with the batch's x_norm rows and outputs overflowed
-// L1 and was slower. Each row also prefetches the same row of the next batch, whose gathers
-// come before its sequential pass (the hardware prefetcher does not follow them). Same
-// operations in the same order, so the same bits.
+// divisions and two sums of K terms in a chain per row; here they serve 16 rows. As in Rows,
+// each row is written at G = +0 and its K selected lanes are then overwritten (L141; before,
+// each row's G was scattered into one of two G rows and read back). Each row also prefetches
+// the same row of the next batch, whose gathers come before its sequential pass (the hardware
+// prefetcher does not follow them). Same operations in the same order, so the same bits.
 constexpr int64_t kWideExperts = 256;
 
 template <size_t K, typename T>
@@ -570,16 +583,14 @@ HWY_NOINLINE void Wide(const GatingTopKBackwardPlan& p, const BackwardScalars& c
   const hn::RebindToSigned<DF> di;
   using VI = hn::Vec<decltype(di)>;
   const int64_t N = p.N;
-  const size_t Nz = static_cast<size_t>(N), np = padded(Nz);
+  const size_t Nz = static_cast<size_t>(N);
   const float* xn = typed<float>(p.x_norm);
   const T* gy = typed<T>(p.grad_y);
   T* gx = typed<T>(p.grad_x);
   const VI below = hn::Set(di, static_cast<int32_t>(N));
   const VI none = hn::Set(di, -1);
   const bool x2 = UseBf16x2<T>();
-  HWY_ALIGN float G[2 * kWideExperts];  // two G rows, +0 between rows
-  std::fill(G, G + 2 * np, 0.0f);
-  HWY_ALIGN float gpt[K * L];   // [k][lane]: g'_k of the batch's rows
+  HWY_ALIGN T vt[K * L];        // [k][lane]: the outputs of the batch's selected lanes
   HWY_ALIGN int32_t et[K * L];  // [k][lane]: their ids
   HWY_ALIGN float dots[L];
   HWY_ALIGN float gsb[K * L];   // grad_y of a batch, fp32, row-major
@@ -605,23 +616,15 @@ HWY_NOINLINE void Wide(const GatingTopKBackwardPlan& p, const BackwardScalars& c
       const VI at = hn::Add(hn::Load(di, off + m * L), e[m]);
       w[m].raw = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid.raw, at.raw, xb, 4);
     }
-    BatchSlots<K>(d, c, w, e, g, gpt, et, dots);
-    // Row i's G into G row i & 1 (scatter-add, D1, slot order), one row ahead of its use.
-    auto scatter = [&](size_t i) {
-      float* Gr = G + (i & 1) * np;
-      for (size_t k = 0; k < K; ++k) {
-        const int32_t ek = et[k * L + i];
-        if (ek >= 0 && ek < N) Gr[ek] += gpt[k * L + i];
-      }
-    };
-    scatter(0);
+    BatchSlots<K>(d, c, w, e, g, vt, et, dots);
     for (size_t i = 0; i < L; ++i) {
-      if (i + 1 < L) scatter(i + 1);
       const int64_t r = r0 + static_cast<int64_t>(i);
       const float* xr = xn + r * N;
       // The same row of the next batch, whose gathers come before its sequential pass.
       const float* ahead = r + Lr < end ? xr + L * Nz : nullptr;
-      RowOut(d, c.norm_type, xr, G + (i & 1) * np, dots[i], gx + r * N, Nz, x2, ahead);
+      T* o = gx + r * N;
+      RowOut<T, true>(d, c.norm_type, xr, nullptr, dots[i], o, Nz, x2, ahead);
+      SlotStores<K>(vt, et, i, N, o);
     }
   }
 }
