@@ -33,8 +33,8 @@
 
 #include "moegrad/moegrad.h"
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -433,6 +433,27 @@ void BM_Op(benchmark::State& state, Op op, const Model& m, DType dt) {
 // stores (as Tensor.copy_, the Python harness's reference; 2 x size). "roof" = the median
 // read-sum rate over the median copy rate of the same iterations: how far above the copy
 // bandwidth such a loop can go when nothing but memory limits it (docs/decisions.md L142).
+#if defined(__x86_64__) && defined(__GNUC__)
+// Whole 64-byte lines per load and store where the CPU has AVX-512 (the kernels' width);
+// returns the first element not done. o + lo must be 64-byte aligned for the stores.
+__attribute__((target("avx512f"))) size_t read_sum_avx512(const float* const* in, size_t K,
+                                                           float* o, size_t lo, size_t hi) {
+  size_t i = lo;
+  for (; i < hi && reinterpret_cast<uintptr_t>(o + i) % 64 != 0; ++i) {
+    float acc = 0.0f;
+    for (size_t k = 0; k < K; ++k) acc += in[k][i];
+    o[i] = acc;
+  }
+  for (; i + 16 <= hi; i += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (size_t k = 0; k < K; ++k) acc = _mm512_add_ps(acc, _mm512_loadu_ps(in[k] + i));
+    _mm512_stream_ps(o + i, acc);
+  }
+  _mm_sfence();
+  return i;
+}
+#endif
+
 void BM_StreamReadSum(benchmark::State& state) {
   const size_t K = static_cast<size_t>(state.range(0));
   const int threads = std::max(1, static_cast<int>(state.range(1)));
@@ -441,8 +462,13 @@ void BM_StreamReadSum(benchmark::State& state) {
   std::vector<float> out(n + 16, 0.0f), src(cn, 1.0f), dst(cn + 16, 0.0f);
   float* o = out.data();
   while (reinterpret_cast<uintptr_t>(o) % 16 != 0) ++o;
+  std::vector<const float*> ptrs;
+  for (auto& v : in) ptrs.push_back(v.data());
   auto read_sum = [&](size_t lo, size_t hi) {
     size_t i = lo;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f")) i = read_sum_avx512(ptrs.data(), K, o, lo, hi);
+#endif
 #if defined(__SSE2__)
     for (; i + 4 <= hi; i += 4) {
       __m128 acc = _mm_setzero_ps();

@@ -895,8 +895,8 @@ def target_checks(r: dict) -> Dict[str, Optional[bool]]:
 
 
 def compile_ceiling(r: dict) -> Optional[float]:
-    """The largest public-op-vs-compile ratio the record's window allowed, were the public op's
-    kernel at 1.0 of the window's copy bandwidth (a read-mostly loop does not beat the copy on
+    """The public-op-vs-compile ratio the record's window allowed, were the public op's kernel
+    at exactly the window's copy bandwidth (a read-mostly loop reaches 1.0-1.1 of the copy on
     the development machine: `stream_read_sum` in moegrad_bench_kernels, docs/decisions.md
     L142): ms_compile / (bytes / copy + the public op's measured cost beyond its kernel, i.e.
     output allocation and first touch, which compile's fresh output pays too). None without a
@@ -956,7 +956,7 @@ def targets_markdown(records: List[dict]) -> str:
                   "possible time in that window, i.e. its bytes at 1.0 of the window's copy "
                   "bandwidth plus its measured cost beyond the kernel (output allocation and "
                   "first touch, which compile's own output pays as well). Below the target, "
-                  "the target was out of reach in that window."]
+                  "the kernel would have had to beat the copy bandwidth."]
     if any(r.get("same_size_copy") for r in rows):
         lines += ["", "Same-size copy: `Tensor.copy_` of a miss's bytes per call through as "
                   "many buffer sets, interleaved with the kernel in one window; in brackets the "
