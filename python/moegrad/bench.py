@@ -934,8 +934,9 @@ def targets_markdown(records: List[dict]) -> str:
         cmp_ = r.get("speedup_compile")
         eag = cell(f"{r['speedup_eager']:.1f}×", t["eager"])
         cmp_txt = "–" if cmp_ is None else cell(f"{cmp_:.2f}×", t["compile"])
-        if t["compile"] is False and compile_ceiling(r) is not None:
-            cmp_txt += f" (ceiling {compile_ceiling(r):.2f}×)"
+        ceiling = compile_ceiling(r) if t["compile"] is False else None
+        if ceiling is not None:
+            cmp_txt += f" (ceiling {ceiling:.2f}×)"
         low = "*" if r.get("copy_low") else ""
         c = r.get("in_cache")
         cache = "" if c is None else (f"{c['gbps']:.1f} (T={c['T']}"

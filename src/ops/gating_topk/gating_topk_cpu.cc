@@ -316,7 +316,7 @@ HWY_INLINE void BatchScalars(DF d, const BackwardScalars& c, const float* xn, co
 // One row's output from its G row Gr (+0 again afterwards) and softmax dot: the vectors of
 // the row, in pairs where bf16 pairs narrow in one instruction (x2), then single vectors and
 // the tail. ahead: the row to prefetch alongside (the batch path), or null. kZeroG: G = +0
-// throughout, Gr is not read (the selected lanes are written afterwards; reg::Wide).
+// throughout, Gr is not read (the selected lanes are written afterwards; reg::Rows, reg::Wide).
 template <typename T, bool kZeroG = false>
 HWY_INLINE void RowOut(DF d, int64_t norm_type, const float* HWY_RESTRICT xr,
                        float* HWY_RESTRICT Gr, float dot_s, T* HWY_RESTRICT o, size_t Nz,
@@ -535,30 +535,9 @@ HWY_NOINLINE void Rows(const GatingTopKBackwardPlan& p, const BackwardScalars& c
       // The same row of the next batch: the lookups above read each row of a batch before the
       // loop here streams it out.
       const float* ahead = r + static_cast<int64_t>(L) < end ? xr + L * Nz : nullptr;
-      const VF dv = hn::Set(d, dots[i]);
-      // The row at G = +0; its K selected lanes are overwritten below.
-      auto value = [&](VF x) { return SlotGradValue(d, norm_type, x, hn::Zero(d), dv); };
+      // The row at G = +0 (norm_type a constant: RowOut is inlined), then its K lanes.
       T* o = gx + r * N;
-      size_t v = 0;
-      if (x2) {  // bf16 pairs of whole vectors in one conversion (GPT-OSS: the whole row)
-        for (; v + 2 <= NV && (v + 2) * L <= Nz; v += 2) {
-          const size_t j = v * L;
-          if (ahead) {
-            hwy::Prefetch(ahead + j);
-            hwy::Prefetch(ahead + j + L);
-          }
-          StorePair(d, value(hn::LoadU(d, xr + j)), value(hn::LoadU(d, xr + j + L)), o + j, true);
-        }
-      }
-      for (; v < NV; ++v) {
-        const size_t j = v * L;
-        if (ahead && j < Nz) hwy::Prefetch(ahead + j);
-        if (j + L <= Nz) {
-          StoreF(d, value(hn::LoadU(d, xr + j)), o + j);
-        } else if (j < Nz) {
-          StoreFN(d, value(LoadFN(d, xr + j, Nz - j)), o + j, Nz - j);
-        }
-      }
+      RowOut<T, true>(d, norm_type, xr, nullptr, dots[i], o, Nz, x2, ahead);
       SlotStores<K>(vt, et, i, N, o);
     }
   }
