@@ -496,3 +496,50 @@ def test_gating_forward_all_zero_scores_nan_only_with_zero_eps(dtype, api):
     assert idx.tolist() == [[0, 1], [0, 1]] and torch.all(y == 0)
     y, _, _ = run_forward(api, x, 2, norm_type=1, eps=0.0)
     assert torch.isnan(y).all()
+
+
+def _selection_reference(scores, k, k_group, group_count, group_select_mode):
+    """Expert ids of one row from its fp32 selection scores: larger first, equal scores (-0 ==
+    +0) by lower index; with groups, each group's score is the fp32 sum of its best one or two
+    scores and the k_group best groups (equal: lower group) hold the candidates."""
+    n = len(scores)
+    order = lambda ids: sorted(ids, key=lambda j: (-float(scores[j]), j))  # noqa: E731
+    cand = range(n)
+    if group_count > 1:
+        gsize, take = n // group_count, 1 if group_select_mode == 0 else 2
+        gscore = []
+        for g in range(group_count):
+            best = order(range(g * gsize, (g + 1) * gsize))[:take]
+            s = np.float32(0.0)
+            for j in best:
+                s = np.float32(s + scores[j])
+            gscore.append(s)
+        kept = sorted(range(group_count), key=lambda g: (-float(gscore[g]), g))[:k_group]
+        cand = [j for g in kept for j in range(g * gsize, (g + 1) * gsize)]
+    return order(cand)[:k]
+
+
+@pytest.mark.parametrize("N,k,group_count,k_group",
+                         [(13, 1, 1, 1), (13, 8, 1, 1), (37, 3, 1, 1), (37, 9, 1, 1),
+                          (64, 4, 1, 1), (300, 8, 1, 1), (300, 12, 1, 1), (256, 8, 8, 4),
+                          (256, 9, 8, 4), (48, 5, 4, 2), (40, 2, 8, 1)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("group_select_mode", [0, 1], ids=["max", "top2sum"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_gating_forward_selection_with_many_exact_ties(N, k, group_count, k_group,
+                                                       group_select_mode, with_bias, rng):
+    # Logits and bias from a handful of values (and -0.0 next to +0.0): most rows hold many equal
+    # scores, so every selection path (small k by repeated maxima, larger k by insertion) must
+    # order them by index. Scores are read back from norm_out (checked against float64 elsewhere).
+    M = 24
+    x = torch.from_numpy(rng.choice(np.float32([-1.0, -0.0, 0.0, 0.5, 2.0]), size=(M, N)))
+    bias = (torch.from_numpy(rng.choice(np.float32([0.0, 0.25, -0.25]), size=N))
+            if with_bias else None)
+    kw = dict(bias=bias, k_group=k_group, group_count=group_count,
+              group_select_mode=group_select_mode, norm_type=1, out_flag=True)
+    for api in APIS:
+        y, idx, norm = run_forward(api, x, k, **kw)
+        sel = norm.numpy() + (bias.numpy() if with_bias else np.float32(0.0))
+        want = [_selection_reference(sel[r], k, k_group, group_count, group_select_mode)
+                for r in range(M)]
+        assert idx.tolist() == want, api

@@ -78,6 +78,46 @@ using gating_detail::kMaxExpertsCpu;
 using gating_detail::rank_key;
 using gating_detail::top_k;
 
+// The k largest keys of src[0..n), largest first, into out[0..k), for small k (kMaxSelect):
+// k passes, each a vector maximum over the keys with the previous pass's winner zeroed (keys are
+// unique, so exactly one lane holds it). Same result as top_k, without its data-dependent
+// branches, which mispredict on every insertion (docs/decisions.md L143). work (n entries) holds
+// the keys after the first pass; it may be src itself when src may be overwritten.
+constexpr int32_t kMaxSelect = 8;
+HWY_INLINE void TopKMax(const uint64_t* src, size_t n, int32_t k, uint64_t* out, uint64_t* work) {
+  const hn::ScalableTag<uint64_t> du;
+  const size_t L = hn::Lanes(du);
+  const size_t nv = n / L * L;
+  HWY_ALIGN uint64_t lanes[HWY_MAX_BYTES / sizeof(uint64_t)];
+  uint64_t prev = 0;
+  for (int32_t i = 0; i < k; ++i) {
+    const uint64_t* from = i <= 1 ? src : work;
+    auto m = hn::Zero(du);
+    uint64_t ms = 0;
+    if (i == 0) {
+      for (size_t j = 0; j < nv; j += L) m = hn::Max(m, hn::LoadU(du, from + j));
+      for (size_t j = nv; j < n; ++j) ms = std::max(ms, from[j]);
+    } else {
+      const auto pv = hn::Set(du, prev);
+      for (size_t j = 0; j < nv; j += L) {
+        auto v = hn::LoadU(du, from + j);
+        v = hn::IfThenZeroElse(hn::Eq(v, pv), v);
+        hn::StoreU(v, du, work + j);
+        m = hn::Max(m, v);
+      }
+      for (size_t j = nv; j < n; ++j) {
+        const uint64_t v = from[j] == prev ? 0 : from[j];
+        work[j] = v;
+        ms = std::max(ms, v);
+      }
+    }
+    hn::Store(m, du, lanes);
+    for (size_t l = 0; l < L; ++l) ms = std::max(ms, lanes[l]);
+    out[i] = ms;
+    prev = ms;
+  }
+}
+
 // norm[0..n) = softmax / sigmoid / sqrt-softplus of the fp32 logits in `logits` (padded).
 void Normalise(const float* logits, int64_t n, int64_t norm_type, float* norm) {
   if (norm_type == 1) {
@@ -132,11 +172,16 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
     for (int64_t j = 0; j < N; ++j) {
       keys[j] = rank_key(p.has_bias ? norm[j] + bias[j] : norm[j], static_cast<int32_t>(j));
     }
+    const bool select = K <= kMaxSelect;
     if (p.grouped) {
       const int32_t take = a.group_select_mode == 0 ? 1 : 2;
       for (int64_t g = 0; g < G; ++g) {
         uint64_t gb[2];
-        top_k(keys + g * gsize, static_cast<int32_t>(gsize), take, gb, nullptr);
+        if (select) {
+          TopKMax(keys + g * gsize, static_cast<size_t>(gsize), take, gb, scratch);
+        } else {
+          top_k(keys + g * gsize, static_cast<int32_t>(gsize), take, gb, nullptr);
+        }
         // Scores are recomputed from the winners' indices (keys carry the order only).
         float gs = 0.0f;
         for (int32_t t = 0; t < take; ++t) {
@@ -146,14 +191,30 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
         gkeys[g] = rank_key(gs, static_cast<int32_t>(g));
       }
       top_k(gkeys, static_cast<int32_t>(G), static_cast<int32_t>(a.k_group), gbest, gscratch);
-      // Experts of the groups not kept rank below every eligible one.
-      std::fill(kept, kept + G, 0);
-      for (int64_t i = 0; i < a.k_group; ++i) kept[key_index(gbest[i])] = 1;
-      for (int64_t g = 0; g < G; ++g) {
-        if (!kept[g]) std::fill_n(keys + g * gsize, gsize, uint64_t{0});
+      if (select) {
+        // The keys of the kept groups only (the others rank below every eligible one): the
+        // selection's result does not depend on their order.
+        size_t n_kept = 0;
+        for (int64_t i = 0; i < a.k_group; ++i) {
+          const int64_t g = key_index(gbest[i]);
+          std::copy_n(keys + g * gsize, gsize, scratch + n_kept);
+          n_kept += static_cast<size_t>(gsize);
+        }
+        TopKMax(scratch, n_kept, static_cast<int32_t>(K), best, scratch);
+      } else {
+        // Experts of the groups not kept rank below every eligible one.
+        std::fill(kept, kept + G, 0);
+        for (int64_t i = 0; i < a.k_group; ++i) kept[key_index(gbest[i])] = 1;
+        for (int64_t g = 0; g < G; ++g) {
+          if (!kept[g]) std::fill_n(keys + g * gsize, gsize, uint64_t{0});
+        }
+        top_k(keys, static_cast<int32_t>(N), static_cast<int32_t>(K), best, scratch);
       }
+    } else if (select) {
+      TopKMax(keys, static_cast<size_t>(N), static_cast<int32_t>(K), best, keys);
+    } else {
+      top_k(keys, static_cast<int32_t>(N), static_cast<int32_t>(K), best, scratch);
     }
-    top_k(keys, static_cast<int32_t>(N), static_cast<int32_t>(K), best, scratch);
     for (int64_t k = 0; k < K; ++k) order[k] = key_index(best[k]);
 
     float sum = 0.0f;
