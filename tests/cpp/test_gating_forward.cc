@@ -1,6 +1,7 @@
 // aclnnMoeGatingTopK through the C API: the validation rules of operators.md §2.5 with
 // decisions D2, D13, D18, D19 and docs/decisions.md L3 (dtypes/layout 161002, shapes and
 // attributes 561002), and values against the float64 reference (§2.4, D13, L1, stable ties).
+#include "hwy_targets.h"
 #include "reference.h"
 #include "test_util.h"
 
@@ -273,6 +274,37 @@ TEST(MoeGatingTopK, TiesGoToLowerIndex) {
   ASSERT_TRUE(run_ok(t));
   EXPECT_EQ(t.expert_idx.i32(0), 2);
   EXPECT_EQ(t.expert_idx.i32(1), 5);
+}
+
+// The selection on every SIMD target the CPU supports (k <= 8 by vector maxima, larger k by
+// insertion; docs/decisions.md L143), on rows built from five logit values (-0 next to +0), so
+// most scores tie exactly and the lower index must win, with and without groups and bias.
+TEST(MoeGatingTopK, SelectionWithExactTiesOnEveryTarget) {
+  struct Sel { int64_t n, k, group_count, k_group, mode; bool bias; };
+  const Sel cases[] = {{13, 8, 1, 1, 0, false}, {37, 3, 1, 1, 0, true}, {37, 9, 1, 1, 0, false},
+                       {300, 8, 1, 1, 0, false}, {256, 8, 8, 4, 1, true}, {256, 9, 8, 4, 1, false},
+                       {48, 5, 4, 2, 0, true}, {40, 2, 8, 1, 1, false}};
+  const double values[] = {-1.0, -0.0, 0.0, 0.5, 2.0};
+  moegrad_test::for_each_target([&](int64_t) {
+    for (const Sel& s : cases) {
+      GatingFwdCase c(12, s.n, s.k, ACL_FLOAT, s.bias);
+      if (s.group_count > 1) with_groups(c, s.k, s.k_group, s.group_count, s.mode);
+      c.a.norm_type = 1;
+      c.a.out_flag = true;
+      Rng rng(s.n * 31 + s.k);
+      std::vector<double> x(static_cast<size_t>(12 * s.n));
+      for (double& v : x) v = values[static_cast<size_t>(rng.uniform(0.0, 5.0)) % 5];
+      c.x.set(x);
+      if (s.bias) {
+        std::vector<double> b(static_cast<size_t>(s.n));
+        for (double& v : b) v = rng.uniform(0.0, 1.0) < 0.5 ? 0.0 : 0.25;
+        c.bias.set(b);
+      }
+      ASSERT_TRUE(run_ok(c));
+      c.check_against_reference("N=" + std::to_string(s.n) + " k=" + std::to_string(s.k) +
+                                " groups=" + std::to_string(s.group_count));
+    }
+  });
 }
 
 // The bias only affects the selection: y holds the unbiased scores (§2.4 steps 2, 5).
