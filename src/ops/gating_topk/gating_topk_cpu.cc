@@ -118,6 +118,17 @@ HWY_INLINE void TopKMax(const uint64_t* src, size_t n, int32_t k, uint64_t* out,
   }
 }
 
+// The k largest keys of keys[0..n), largest first, into out[0..k); keys is left as it was and
+// work (n entries) is scratch. Small k by vector maxima (L143), larger k by top_k.
+HWY_INLINE void SelectTopK(const uint64_t* keys, size_t n, int32_t k, uint64_t* out,
+                           uint64_t* work) {
+  if (k <= kMaxSelect) {
+    TopKMax(keys, n, k, out, work);
+  } else {
+    top_k(keys, static_cast<int32_t>(n), k, out, work);
+  }
+}
+
 // norm[0..n) = softmax / sigmoid / sqrt-softplus of the fp32 logits in `logits` (padded).
 void Normalise(const float* logits, int64_t n, int64_t norm_type, float* norm) {
   if (norm_type == 1) {
@@ -172,16 +183,12 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
     for (int64_t j = 0; j < N; ++j) {
       keys[j] = rank_key(p.has_bias ? norm[j] + bias[j] : norm[j], static_cast<int32_t>(j));
     }
-    const bool select = K <= kMaxSelect;
+    size_t n_cand = static_cast<size_t>(N);
     if (p.grouped) {
       const int32_t take = a.group_select_mode == 0 ? 1 : 2;
       for (int64_t g = 0; g < G; ++g) {
         uint64_t gb[2];
-        if (select) {
-          TopKMax(keys + g * gsize, static_cast<size_t>(gsize), take, gb, scratch);
-        } else {
-          top_k(keys + g * gsize, static_cast<int32_t>(gsize), take, gb, nullptr);
-        }
+        SelectTopK(keys + g * gsize, static_cast<size_t>(gsize), take, gb, scratch);
         // Scores are recomputed from the winners' indices (keys carry the order only).
         float gs = 0.0f;
         for (int32_t t = 0; t < take; ++t) {
@@ -191,30 +198,20 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
         gkeys[g] = rank_key(gs, static_cast<int32_t>(g));
       }
       top_k(gkeys, static_cast<int32_t>(G), static_cast<int32_t>(a.k_group), gbest, gscratch);
-      if (select) {
-        // The keys of the kept groups only (the others rank below every eligible one): the
-        // selection's result does not depend on their order.
-        size_t n_kept = 0;
-        for (int64_t i = 0; i < a.k_group; ++i) {
-          const int64_t g = key_index(gbest[i]);
-          std::copy_n(keys + g * gsize, gsize, scratch + n_kept);
-          n_kept += static_cast<size_t>(gsize);
+      // Only the kept groups' keys stay candidates, moved to the front in group order (the
+      // others rank below every eligible one; keys are unique, so the order does not matter).
+      std::fill(kept, kept + G, 0);
+      for (int64_t i = 0; i < a.k_group; ++i) kept[key_index(gbest[i])] = 1;
+      n_cand = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        if (!kept[g]) continue;
+        if (n_cand != static_cast<size_t>(g * gsize)) {
+          std::copy_n(keys + g * gsize, gsize, keys + n_cand);  // forward: n_cand < g * gsize
         }
-        TopKMax(scratch, n_kept, static_cast<int32_t>(K), best, scratch);
-      } else {
-        // Experts of the groups not kept rank below every eligible one.
-        std::fill(kept, kept + G, 0);
-        for (int64_t i = 0; i < a.k_group; ++i) kept[key_index(gbest[i])] = 1;
-        for (int64_t g = 0; g < G; ++g) {
-          if (!kept[g]) std::fill_n(keys + g * gsize, gsize, uint64_t{0});
-        }
-        top_k(keys, static_cast<int32_t>(N), static_cast<int32_t>(K), best, scratch);
+        n_cand += static_cast<size_t>(gsize);
       }
-    } else if (select) {
-      TopKMax(keys, static_cast<size_t>(N), static_cast<int32_t>(K), best, keys);
-    } else {
-      top_k(keys, static_cast<int32_t>(N), static_cast<int32_t>(K), best, scratch);
     }
+    SelectTopK(keys, n_cand, static_cast<int32_t>(K), best, scratch);
     for (int64_t k = 0; k < K; ++k) order[k] = key_index(best[k]);
 
     float sum = 0.0f;
