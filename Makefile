@@ -56,7 +56,7 @@ FUZZ_SOURCES := $(shell find tests/fuzz -type f -not -path '*/corpus/*' 2>/dev/n
 FUZZERS := fuzz_gating_top_k fuzz_gating_top_k_backward fuzz_finalize_routing \
 	fuzz_finalize_routing_grad fuzz_swiglu_group_quant_grad fuzz_swiglu_group fuzz_swiglu_group_quant \
 	fuzz_finalize_routing_bias_grad fuzz_init_routing_v2 fuzz_init_routing_v3 fuzz_init_routing_grad \
-	fuzz_handles
+	fuzz_clipped_swiglu fuzz_handles
 
 # libFuzzer harnesses under ASan + UBSan (clang); FUZZ_SECONDS per harness, non-zero exit on
 # any finding. FUZZ_RUNS=N stops each harness after N inputs instead.

@@ -229,6 +229,39 @@ MOEGRAD_C_API aclnnStatus aclnnSwigluGroupQuantGetWorkspaceSize(
 MOEGRAD_C_API aclnnStatus aclnnSwigluGroupQuant(void* workspace, uint64_t workspaceSize,
                                                 aclOpExecutor* executor, aclrtStream stream);
 
+/* ---- ClippedSwiglu / ClippedSwigluV2 / ClippedSwigluGrad (docs/operators.md §9): the GPT-OSS
+ * SwiGLU. x fp32/fp16/bf16 (rank 1..8, x.shape[dim] even), groupIndexOptional [G] int64;
+ * out / gradY: x's shape with shape[dim] halved; gradXOut: x's shape; all x's dtype. limit > 0,
+ * alpha and bias finite. clampMode (V2) 0 clamps the inputs, 1 clamps silu(gate) (alpha and bias
+ * must then keep their defaults 1.702 and 1.0). ClippedSwigluGrad is the clampMode 0 backward.
+ * Rows past sum(groupIndex) are zero. Errors: 161001 null, 161002 dtype/rank/dim/clampMode,
+ * 561002 shapes and limit/alpha/bias. */
+MOEGRAD_C_API aclnnStatus aclnnClippedSwigluGetWorkspaceSize(
+    const aclTensor* x, const aclTensor* groupIndexOptional, int64_t dim, double alpha,
+    double limit, double bias, bool interleaved, const aclTensor* out, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnClippedSwiglu(void* workspace, uint64_t workspaceSize,
+                                             aclOpExecutor* executor, aclrtStream stream);
+MOEGRAD_C_API aclnnStatus aclnnClippedSwigluV2GetWorkspaceSize(
+    const aclTensor* x, const aclTensor* groupIndexOptional, int64_t dim, double alpha,
+    double limit, double bias, bool interleaved, int64_t clampMode, const aclTensor* out,
+    uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnClippedSwigluV2(void* workspace, uint64_t workspaceSize,
+                                               aclOpExecutor* executor, aclrtStream stream);
+MOEGRAD_C_API aclnnStatus aclnnClippedSwigluGradGetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* x, const aclTensor* groupIndexOptional, int64_t dim,
+    double alpha, double limit, double bias, bool interleaved, const aclTensor* gradXOut,
+    uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnClippedSwigluGrad(void* workspace, uint64_t workspaceSize,
+                                                 aclOpExecutor* executor, aclrtStream stream);
+/* moegrad extension: the backward of either clamp mode (clampMode 1 has no vendor backward). */
+MOEGRAD_C_API aclnnStatus aclnnClippedSwigluGradV2GetWorkspaceSize(
+    const aclTensor* gradY, const aclTensor* x, const aclTensor* groupIndexOptional, int64_t dim,
+    double alpha, double limit, double bias, bool interleaved, int64_t clampMode,
+    const aclTensor* gradXOut, uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnClippedSwigluGradV2(void* workspace, uint64_t workspaceSize,
+                                                   aclOpExecutor* executor, aclrtStream stream);
+
 /* ---- MoeInitRoutingV2 (docs/operators.md §8.1-§8.7; decisions D25-D31). Token permutation:
  * x [R,H] fp32/fp16/bf16, expertIdx [R,K] int32; dropPadMode 0: expandedXOut [R*K,H] (or
  * [min(activeNum, R*K),H] when activeNum > 0), 1: [expertNum, expertCapacity, H];

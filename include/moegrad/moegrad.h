@@ -273,6 +273,41 @@ MOEGRAD_API std::vector<Shape> infer_swiglu_group_quant(const TensorView* x,
                                                         const TensorView* scale,
                                                         const SwigluQuantAttrs& attrs);
 
+// ---- ClippedSwiglu (V1/V2) and ClippedSwigluGrad: the GPT-OSS SwiGLU (docs/operators.md §9) ----
+struct ClippedSwigluAttrs {
+  int64_t dim = -1;          // the split axis, in [-rank, rank - 1]; x.shape[dim] even
+  double alpha = 1.702;      // sigmoid slope (clamp_mode 0), finite
+  double limit = 7.0;        // clamp limit, > 0 and finite
+  double bias = 1.0;         // offset added to the linear half (clamp_mode 0), finite
+  bool interleaved = true;   // gate = even elements, linear = odd; else two contiguous halves
+  int64_t clamp_mode = 0;    // 0: clamp the inputs; 1: clamp silu(gate) (alpha, bias default)
+};
+// x fp32/fp16/bf16, rank 1..8; group_index [G] int64 or null (rows of the folded [pre, 2h]
+// view past sum(group_index) are +0); y = x's shape with shape[dim] halved, x.dtype.
+// Errors: 161001 null; 161002 dtypes, layout, rank, dim, clamp_mode, mode-1 alpha/bias;
+// 561002 shapes, limit/alpha/bias out of range.
+MOEGRAD_API ExecutorPtr plan_clipped_swiglu(const TensorView* x, const TensorView* group_index,
+                                            const ClippedSwigluAttrs& attrs, const TensorView* y);
+MOEGRAD_API ExecutorPtr prepare_clipped_swiglu(const TensorView* x,
+                                               const TensorView* group_index,
+                                               const ClippedSwigluAttrs& attrs);
+MOEGRAD_API std::vector<Shape> infer_clipped_swiglu(const TensorView* x,
+                                                    const TensorView* group_index,
+                                                    const ClippedSwigluAttrs& attrs);
+// grad_y y's shape, x.dtype; grad_x x's shape, x.dtype. Both clamp modes (inclusive masks).
+MOEGRAD_API ExecutorPtr plan_clipped_swiglu_grad(const TensorView* grad_y, const TensorView* x,
+                                                 const TensorView* group_index,
+                                                 const ClippedSwigluAttrs& attrs,
+                                                 const TensorView* grad_x);
+MOEGRAD_API ExecutorPtr prepare_clipped_swiglu_grad(const TensorView* grad_y,
+                                                    const TensorView* x,
+                                                    const TensorView* group_index,
+                                                    const ClippedSwigluAttrs& attrs);
+MOEGRAD_API std::vector<Shape> infer_clipped_swiglu_grad(const TensorView* grad_y,
+                                                         const TensorView* x,
+                                                         const TensorView* group_index,
+                                                         const ClippedSwigluAttrs& attrs);
+
 // ---- Init routing V2/V3 = token permutation (spec §8; D25-D31; docs/decisions.md L30-L39) ----
 struct InitRoutingAttrs {
   int64_t active_num = 0;       // mode 0: 0 (or -1) dropless; A > 0 keeps the first min(A, R*K)

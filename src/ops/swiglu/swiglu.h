@@ -86,6 +86,14 @@ void swiglu_grad_cuda_size(SwigluGradPlan& plan, WorkspaceLayout& layout);
 void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* stream);
 #endif
 
+#if defined(MOEGRAD_WITH_CUDA)
+// The group_index row count of swiglu_active_rows on the device: with `has`, a one-thread kernel
+// on `stream` writes it to `active` (workspace) and returns `active`; else returns null (all T
+// rows). No host synchronisation (L45). Shared with the ClippedSwiglu family.
+const int64_t* launch_active(const TensorView& group_index, bool has, int64_t T, int64_t* active,
+                             void* stream);
+#endif
+
 #ifdef MOEGRAD_WITH_CUDA
 // CUDA launchers (swiglu_cuda.cu): stage two on `stream` (a cudaStream_t) with the
 // workspace sized by the *_workspace function; no host synchronisation, no allocation.

@@ -173,15 +173,13 @@ void swiglu_grad_cuda_size(SwigluGradPlan& plan, WorkspaceLayout& layout) {
   if (plan.has_group_index) plan.ws_active = layout.add<int64_t>(1);
 }
 
-namespace {
 const int64_t* launch_active(const TensorView& gi, bool has, int64_t T, int64_t* active,
-                             cudaStream_t s) {
+                             void* stream) {
   if (!has) return nullptr;
-  cuda::active_rows_kernel<<<1, 1, 0, s>>>(static_cast<const int64_t*>(gi.data), gi.numel(), T,
-                                           active);
+  cuda::active_rows_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const int64_t*>(gi.data), gi.numel(), T, active);
   return active;
 }
-}  // namespace
 
 void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
