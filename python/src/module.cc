@@ -331,6 +331,20 @@ NB_MODULE(_C, m) {
                                                          a(group_index),
                                                          SwigluAttrs{clamp_limit}));
         });
+  m.def("plan_clipped_swiglu",
+        [](const Opt& x, const Opt& group_index, int64_t dim, double alpha, double limit,
+           double bias, bool interleaved, int64_t clamp_mode) {
+          Args a;
+          const ClippedSwigluAttrs at{dim, alpha, limit, bias, interleaved, clamp_mode};
+          return planned(prepare_clipped_swiglu(a(x), a(group_index), at));
+        });
+  m.def("plan_clipped_swiglu_grad",
+        [](const Opt& gy, const Opt& x, const Opt& group_index, int64_t dim, double alpha,
+           double limit, double bias, bool interleaved, int64_t clamp_mode) {
+          Args a;
+          const ClippedSwigluAttrs at{dim, alpha, limit, bias, interleaved, clamp_mode};
+          return planned(prepare_clipped_swiglu_grad(a(gy), a(x), a(group_index), at));
+        });
 
   // ---- one-shot calls with outputs (tests, kernel benchmarks); C API rules ----
 

@@ -26,6 +26,7 @@ __all__ = [
     "moe_finalize_routing", "moe_finalize_routing_grad",
     "swiglu_group", "swiglu_group_quant_backward", "swiglu_backward_magnitude", "swiglu_trunc",
     "moe_init_routing", "moe_init_routing_grad",
+    "clipped_swiglu", "clipped_swiglu_grad",
 ]
 
 
@@ -537,3 +538,78 @@ def moe_init_routing_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mod
             if 0 <= d < rows:
                 out[r] += g[d]
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# §9 ClippedSwiglu / ClippedSwigluGrad (D32; the clamp_mode 1 backward: docs/decisions.md L163)
+# --------------------------------------------------------------------------------------------
+def _clipped_fold(x, dim, interleaved):
+    """x viewed as [pre, 2h] around dim (the split along the folded axis): (pre, h, A, B, the
+    index arrays of A and B in the folded row)."""
+    x = as_f64(x)
+    d = dim % x.ndim
+    pre = int(np.prod(x.shape[:d])) if d else 1
+    rest = int(np.prod(x.shape[d:]))
+    h = rest // 2
+    xf = x.reshape(pre, rest)
+    cols = np.arange(h)
+    ia, ib = (2 * cols, 2 * cols + 1) if interleaved else (cols, cols + h)
+    return pre, h, xf[:, ia], xf[:, ib], ia, ib
+
+
+def clipped_swiglu(x, group_index=None, dim=-1, alpha=1.702, limit=7.0, bias=1.0,
+                   interleaved=True, clamp_mode=0):
+    """Returns (y like x with shape[dim] halved, its error scale). The attributes are taken in
+    fp32, as the kernels take them."""
+    xs = list(as_f64(x).shape)
+    d = dim % len(xs)
+    pre, h, A, B, _, _ = _clipped_fold(x, dim, interleaved)
+    L, al, bi = f32(limit), f32(alpha), f32(bias)
+    with np.errstate(invalid="ignore", over="ignore"):
+        Bc = np.clip(B, -L, L)
+        if clamp_mode == 0:
+            Ac = np.minimum(A, L)
+            s = sigmoid(al * Ac)
+            y = Ac * s * (Bc + bi)
+            mag = np.abs(Ac * s) * (np.abs(Bc) + abs(bi))
+        else:
+            y = np.minimum(A * sigmoid(A), L) * Bc
+            mag = np.abs(y)
+    rows = swiglu_trunc(pre, group_index)
+    y[rows:] = 0.0
+    mag[rows:] = 0.0
+    xs[d] //= 2
+    return y.reshape(xs), mag.reshape(xs)
+
+
+def clipped_swiglu_grad(grad_y, x, group_index=None, dim=-1, alpha=1.702, limit=7.0, bias=1.0,
+                        interleaved=True, clamp_mode=0):
+    """Returns (grad_x like x, its error scale). Masks are inclusive: [A <= limit] (mode 0),
+    [A sigmoid(A) <= limit] (mode 1), [-limit <= B <= limit]."""
+    xs = as_f64(x).shape
+    pre, h, A, B, ia, ib = _clipped_fold(x, dim, interleaved)
+    g = as_f64(grad_y).reshape(pre, h)
+    L, al, bi = f32(limit), f32(alpha), f32(bias)
+    with np.errstate(invalid="ignore", over="ignore"):
+        Bc = np.clip(B, -L, L)
+        mb = (B >= -L) & (B <= L)
+        if clamp_mode == 0:
+            Ac = np.minimum(A, L)
+            s = sigmoid(al * Ac)
+            da = np.where(A <= L, g * (Bc + bi) * s * (1.0 + al * Ac * (1.0 - s)), 0.0)
+            ma = np.abs(g) * (np.abs(Bc) + abs(bi)) * s * (1.0 + np.abs(al * Ac) * (1.0 - s))
+            db = np.where(mb, g * Ac * s, 0.0)
+        else:
+            s = sigmoid(A)
+            u = A * s
+            da = np.where(u <= L, g * Bc * s * (1.0 + A * (1.0 - s)), 0.0)
+            ma = np.abs(g * Bc) * s * (1.0 + np.abs(A) * (1.0 - s))
+            db = np.where(mb, g * np.minimum(u, L), 0.0)
+    gx = np.zeros((pre, 2 * h))
+    mag = np.zeros((pre, 2 * h))
+    gx[:, ia], gx[:, ib] = da, db
+    mag[:, ia], mag[:, ib] = np.where(da == 0.0, 0.0, ma), np.abs(db)
+    rows = swiglu_trunc(pre, group_index)
+    gx[rows:] = 0.0
+    mag[rows:] = 0.0
+    return gx.reshape(xs), mag.reshape(xs)
