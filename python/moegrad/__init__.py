@@ -13,7 +13,7 @@ from ._errors import MoeError
 
 _C._set_error_class(MoeError)
 
-from .ops import (moe_finalize_routing, moe_finalize_routing_grad,  # noqa: E402
+from .ops import (clipped_swiglu, clipped_swiglu_grad, moe_finalize_routing, moe_finalize_routing_grad,  # noqa: E402
                   moe_gating_top_k, moe_gating_top_k_backward, moe_init_routing,
                   moe_init_routing_grad, swiglu_group, swiglu_group_quant,
                   swiglu_group_quant_backward)
@@ -31,6 +31,8 @@ __all__ = [
     "swiglu_group_quant",
     "moe_init_routing",
     "moe_init_routing_grad",
+    "clipped_swiglu",
+    "clipped_swiglu_grad",
     "set_num_threads",
     "get_num_threads",
 ]

@@ -468,6 +468,22 @@ NB_MODULE(_C, m) {
                                                a(group_index), SwigluAttrs{clamp_limit});
         });
 
+  // ---- ClippedSwiglu (docs/operators.md §9) ----
+  m.def("clipped_swiglu",
+        [](const Opt& x, const Opt& group_index, int64_t dim, double alpha, double limit,
+           double bias, bool interleaved, int64_t clamp_mode, const Opt& y) {
+          Args a;
+          const ClippedSwigluAttrs at{dim, alpha, limit, bias, interleaved, clamp_mode};
+          run(plan_clipped_swiglu(a(x), a(group_index), at, a(y)));
+        });
+  m.def("clipped_swiglu_grad",
+        [](const Opt& gy, const Opt& x, const Opt& group_index, int64_t dim, double alpha,
+           double limit, double bias, bool interleaved, int64_t clamp_mode, const Opt& gx) {
+          Args a;
+          const ClippedSwigluAttrs at{dim, alpha, limit, bias, interleaved, clamp_mode};
+          run(plan_clipped_swiglu_grad(a(gy), a(x), a(group_index), at, a(gx)));
+        });
+
   // ---- SwiGLU quantised forward (D24); FP8 / e8m0 outputs are bound as uint8 views ----
   // One call with preallocated outputs (the benchmark's kernel timing).
   m.def("swiglu_group_quant",

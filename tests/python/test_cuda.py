@@ -354,6 +354,59 @@ def test_swiglu_misaligned_views(dtype, rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# ClippedSwiglu (docs/operators.md §9)
+# ---------------------------------------------------------------------------------------------
+CLIPPED_SHAPES = [((17, 512), -1), ((9, 2 * 257), -1), ((5, 2), -1), ((0, 64), -1),
+                  ((6, 5, 8), 0), ((3, 4, 6), 1), ((64, 5760), -1)]
+
+
+@pytest.mark.parametrize("shape,dim", CLIPPED_SHAPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("clamp_mode", [0, 1])
+@pytest.mark.parametrize("group", [None, [3, 2], [-4, 1]])
+@dtype_params
+def test_clipped_swiglu_matches_reference_and_cpu(shape, dim, interleaved, clamp_mode, group,
+                                                  dtype, rng):
+    x = randn(shape, dtype, rng, std=4.0)
+    gi = None if group is None else torch.tensor(group, dtype=torch.int64)
+    kw = dict(dim=dim, interleaved=interleaved, clamp_mode=clamp_mode)
+    y = moegrad.clipped_swiglu(cu(x), cu(gi), **kw)
+    ey, my = ref.clipped_swiglu(x, gi, **kw)
+    assert_close_to_ref(host(y), ey, dtype, scale=my, what="y")
+    assert_close_to_cpu(y, moegrad.clipped_swiglu(x, gi, **kw), dtype, scale=my, what="y vs CPU")
+    gy = randn(tuple(y.shape), dtype, rng)
+    gx = moegrad.clipped_swiglu_grad(cu(gy), cu(x), cu(gi), **kw)
+    egx, mgx = ref.clipped_swiglu_grad(gy, x, gi, **kw)
+    assert_close_to_ref(host(gx), egx, dtype, scale=mgx, n_reduce=2, what="grad_x")
+    assert_close_to_cpu(gx, moegrad.clipped_swiglu_grad(gy, x, gi, **kw), dtype, scale=mgx,
+                        n_reduce=2, what="grad_x vs CPU")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@dtype_params
+def test_clipped_swiglu_misaligned_views(interleaved, dtype, rng):
+    x = cu(randn((7, 128), dtype, rng, std=4.0))
+    gy = cu(randn((7, 64), dtype, rng))
+    y = moegrad.clipped_swiglu(x, interleaved=interleaved)
+    gx = moegrad.clipped_swiglu_grad(gy, x, interleaved=interleaved)
+    assert bitwise_equal(moegrad.clipped_swiglu(misaligned(x), interleaved=interleaved), y)
+    assert bitwise_equal(moegrad.clipped_swiglu_grad(misaligned(gy), misaligned(x),
+                                                     interleaved=interleaved), gx)
+
+
+def test_clipped_swiglu_autograd_and_compile_on_cuda(rng):
+    x = cu(randn((32, 96), torch.float32, rng, std=4.0)).requires_grad_(True)
+    f = torch.compile(lambda t: moegrad.clipped_swiglu(t, cu(torch.tensor([20]))).square().sum(),
+                      fullgraph=True)
+    f(x).backward()
+    g = moegrad.clipped_swiglu_grad(2 * moegrad.clipped_swiglu(x.detach()), x.detach(),
+                                    cu(torch.tensor([20])))
+    torch.testing.assert_close(x.grad, g)
+    torch.library.opcheck(torch.ops.moegrad.clipped_swiglu.default, (x.detach(),),
+                          dict(clamp_mode=1))
+
+
+# ---------------------------------------------------------------------------------------------
 # determinism, graphs, compile, opcheck
 # ---------------------------------------------------------------------------------------------
 def _workload(rng, dtype=torch.bfloat16, R=512, K=8, H=1024, N=128):

@@ -2,9 +2,11 @@
 
 ``from moegrad.ops import moe_finalize_routing_grad`` works as the vendor's import does. Each
 family module (gating_topk, finalize_routing, swiglu, init_routing) holds the registration,
-fake kernel, autograd and public function of its ops; _registry the shared machinery.
+fake kernel, autograd and public function of its ops (clipped_swiglu: the GPT-OSS SwiGLU);
+_registry the shared machinery.
 Signatures: docs/operators.md §7.2.
 """
+from .clipped_swiglu import clipped_swiglu, clipped_swiglu_grad
 from .finalize_routing import moe_finalize_routing, moe_finalize_routing_grad
 from .gating_topk import moe_gating_top_k, moe_gating_top_k_backward
 from .init_routing import moe_init_routing, moe_init_routing_grad
@@ -20,4 +22,6 @@ __all__ = [
     "swiglu_group_quant",
     "moe_init_routing",
     "moe_init_routing_grad",
+    "clipped_swiglu",
+    "clipped_swiglu_grad",
 ]
