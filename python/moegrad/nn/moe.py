@@ -193,6 +193,12 @@ class MoE(nn.Module):
     clamp_limit (-1 off, else the GPT-OSS SwiGLU clamp); capacity_factor (None: dropless, else
     each expert keeps ceil(capacity_factor * T * K / E) rows, drop/pad); ep_group: a
     torch.distributed process group over which the experts are split (E / world size each).
+    GPT-OSS experts (docs/layer.md): activation "swiglu" (silu(gate) * up, halves split,
+    clamp_limit) or "clipped_swiglu" (the GPT-OSS activation, moegrad.clipped_swiglu with
+    swiglu_alpha, swiglu_limit, swiglu_offset and swiglu_interleaved: gate/up interleaved in
+    w_up's columns); expert_bias (b_up [E, 2F], b_down [E, H] on the two expert projections);
+    router_bias (gate_bias [E], the router's linear bias). GPT-OSS itself: score="softmax",
+    activation="clipped_swiglu", expert_bias=True, router_bias=True.
     Extras: shared_experts (dense SwiGLU MLPs of width shared_experts * F on every token),
     bias_update_speed (aux-loss-free balancing step, applied by update_bias()), aux_loss_coef
     (Switch-style loss E * sum_e f_e * P_e, exposed as .aux_loss after each forward).
@@ -205,7 +211,11 @@ class MoE(nn.Module):
                  routed_scaling_factor: float = 1.0, clamp_limit: float = -1.0,
                  capacity_factor: Optional[float] = None, ep_group=None,
                  shared_experts: int = 0, bias_update_speed: float = 0.0,
-                 aux_loss_coef: float = 0.0, device=None, dtype=None):
+                 aux_loss_coef: float = 0.0, activation: str = "swiglu",
+                 expert_bias: bool = False, router_bias: bool = False,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 swiglu_offset: float = 1.0, swiglu_interleaved: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         if score not in ("sigmoid", "softmax"):
             raise ValueError(f"MoE: score must be 'sigmoid' or 'softmax'; got {score!r}")
@@ -256,7 +266,54 @@ class MoE(nn.Module):
                                                               device=device))
         self.aux_loss: Optional[Tensor] = None
         self.last_expert_idx: Optional[Tensor] = None   # [T, K] of the last forward
+        self._init_gpt_oss(activation, expert_bias, router_bias, swiglu_alpha, swiglu_limit,
+                           swiglu_offset, swiglu_interleaved, fk)
         self.reset_parameters()
+
+    def _init_gpt_oss(self, activation, expert_bias, router_bias, alpha, limit, offset,
+                      interleaved, fk):
+        """The GPT-OSS pieces (docs/layer.md "GPT-OSS experts"): the activation, biases on both
+        expert projections and on the router."""
+        if activation not in ("swiglu", "clipped_swiglu"):
+            raise ValueError(f"MoE: activation must be 'swiglu' or 'clipped_swiglu'; got "
+                             f"{activation!r}")
+        self.activation = activation
+        self.swiglu_alpha, self.swiglu_limit = float(alpha), float(limit)
+        self.swiglu_offset, self.swiglu_interleaved = float(offset), bool(interleaved)
+        El, E = self.num_local_experts, self.num_experts
+        if expert_bias:
+            self.b_up = nn.Parameter(torch.zeros(El, 2 * self.ffn_hidden, **fk))
+            self.b_down = nn.Parameter(torch.zeros(El, self.hidden, **fk))
+            self.b_up._moegrad_expert = True
+            self.b_down._moegrad_expert = True
+        else:
+            self.register_parameter("b_up", None)
+            self.register_parameter("b_down", None)
+        if router_bias:
+            self.gate_bias = nn.Parameter(torch.zeros(E, **fk))
+        else:
+            self.register_parameter("gate_bias", None)
+
+    def _act(self, up: Tensor, group_index: Optional[Tensor] = None) -> Tensor:
+        """The expert activation of up [rows, 2F] -> [rows, F]."""
+        if self.activation == "clipped_swiglu":
+            return _mg.clipped_swiglu(up, group_index, alpha=self.swiglu_alpha,
+                                      limit=self.swiglu_limit, bias=self.swiglu_offset,
+                                      interleaved=self.swiglu_interleaved)
+        return _mg.swiglu_group(up, group_index=group_index, clamp_limit=self.clamp_limit)
+
+    @staticmethod
+    def _add_bias(rows: Tensor, bias: Optional[Tensor], counts: Optional[Tensor]) -> Tensor:
+        """rows [sum(counts), n] grouped by local expert + bias[expert] ([E_local, n]); with
+        counts None, rows [E, C, n] (capacity mode). The expert of each row comes from counts
+        on the device (no host sync)."""
+        if bias is None:
+            return rows
+        if counts is None:
+            return rows + bias.unsqueeze(1)
+        eid = torch.repeat_interleave(torch.arange(bias.shape[0], device=rows.device), counts,
+                                      output_size=rows.shape[0])
+        return rows + bias.index_select(0, eid)
 
     def reset_parameters(self, generator: Optional[torch.Generator] = None):
         """Router N(0, 0.02); expert and shared weights N(0, 1/fan_in)."""
@@ -264,6 +321,9 @@ class MoE(nn.Module):
             self.gate.normal_(0.0, 0.02, generator=generator)
             self.w_up.normal_(0.0, 1.0 / math.sqrt(self.hidden), generator=generator)
             self.w_down.normal_(0.0, 1.0 / math.sqrt(self.ffn_hidden), generator=generator)
+            for b in (self.b_up, self.b_down, self.gate_bias):
+                if b is not None:
+                    b.zero_()
             if self.shared_up is not None:
                 self.shared_up.normal_(0.0, 1.0 / math.sqrt(self.hidden), generator=generator)
                 self.shared_down.normal_(0.0, 1.0 / math.sqrt(self.shared_hidden),
@@ -280,7 +340,7 @@ class MoE(nn.Module):
     # -- routing ----------------------------------------------------------------------------
     def route(self, x: Tensor):
         """(weights [T, K] fp32, expert_idx [T, K] int32, scores [T, E] fp32 or None)."""
-        logits = F.linear(x, self.gate).float()
+        logits = F.linear(x, self.gate, self.gate_bias).float()
         sigmoid = self.score == "sigmoid"
         want_scores = self.aux_loss_coef > 0 and self.training
         y, idx, norm = _mg.moe_gating_top_k(
@@ -300,20 +360,20 @@ class MoE(nn.Module):
         if counts.is_cuda and not (_grouped_mm_ok(rows, self.w_up)
                                    and _grouped_mm_ok(rows, self.w_down)):
             host = counts.cpu()
-        up = grouped_mm(rows, self.w_up, counts, host)
-        act = _mg.swiglu_group(up, group_index=counts, clamp_limit=self.clamp_limit)
-        return grouped_mm(act, self.w_down, counts, host)
+        up = self._add_bias(grouped_mm(rows, self.w_up, counts, host), self.b_up, counts)
+        act = self._act(up, counts)
+        return self._add_bias(grouped_mm(act, self.w_down, counts, host), self.b_down, counts)
 
     def _experts_padded(self, rows: Tensor) -> Tensor:
         """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""
-        up = torch.bmm(rows, self.w_up)
-        act = _mg.swiglu_group(up, clamp_limit=self.clamp_limit)
-        return torch.bmm(act, self.w_down)
+        up = self._add_bias(torch.bmm(rows, self.w_up), self.b_up, None)
+        act = self._act(up)
+        return self._add_bias(torch.bmm(act, self.w_down), self.b_down, None)
 
     def _shared(self, x: Tensor) -> Optional[Tensor]:
         if self.shared_up is None:
             return None
-        return _mg.swiglu_group(x @ self.shared_up, clamp_limit=self.clamp_limit) @ self.shared_down
+        return self._act(x @ self.shared_up) @ self.shared_down
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
