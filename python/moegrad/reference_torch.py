@@ -25,6 +25,7 @@ __all__ = [
     "moe_finalize_routing", "moe_finalize_routing_grad",
     "swiglu_group", "swiglu_group_quant_backward",
     "moe_init_routing", "moe_init_routing_grad",
+    "clipped_swiglu", "clipped_swiglu_grad",
 ]
 
 
@@ -316,3 +317,34 @@ def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top
         term = g.index_select(0, d.clamp(0, max(n_rows - 1, 0))).float()
         out = out + torch.where(valid.unsqueeze(1), term, 0.0)
     return out.to(grad_expanded_x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPT-OSS activation (ClippedSwiglu, docs/operators.md §9) as transformers' GptOssExperts
+# writes it: in the input's dtype, gate and up interleaved, clamp mode 0. The benchmark's
+# baseline; its backward is torch.autograd's.
+# ---------------------------------------------------------------------------------------------
+def clipped_swiglu(x: Tensor, group_index: Optional[Tensor] = None, *, dim: int = -1,
+                   alpha: float = 1.702, limit: float = 7.0, bias: float = 1.0,
+                   interleaved: bool = True, clamp_mode: int = 0) -> Tensor:
+    """(up' + bias) * gate' * sigmoid(gate' * alpha) over the last dim (dim -1, clamp_mode 0 and
+    no group_index only: the GPT-OSS case)."""
+    if dim not in (-1, x.dim() - 1) or clamp_mode != 0 or group_index is not None:
+        raise NotImplementedError("reference_torch.clipped_swiglu: the GPT-OSS case only")
+    if interleaved:
+        gate, up = x[..., ::2], x[..., 1::2]
+    else:
+        gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + bias) * glu
+
+
+def clipped_swiglu_grad(grad_y: Tensor, x: Tensor, group_index: Optional[Tensor] = None,
+                        **attrs) -> Tensor:
+    """grad_x of clipped_swiglu above by torch.autograd (forward included)."""
+    with torch.enable_grad():
+        xl = x.detach().requires_grad_(True)
+        (gx,) = torch.autograd.grad(clipped_swiglu(xl, group_index, **attrs), xl, grad_y)
+    return gx

@@ -32,7 +32,8 @@ from moegrad import reference_torch as ref
 GPU_TOKENS = (4096, 16384, 65536)
 GPU_MODELS = ("deepseek_v3", "qwen3_moe", "gpt_oss")
 CUDA_OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
-            "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward")
+            "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
+            "clipped_swiglu", "clipped_swiglu_grad")
 QUICK_PLAN = {"deepseek_v3": (16384, 65536), "qwen3_moe": (16384,), "gpt_oss": (16384,)}
 
 
@@ -72,7 +73,8 @@ def run_case(case, l2: int, copy: float, seed: int, do_compile: bool, calls: int
     sets = _clone_sets(base, n_sets)
     api = getattr(moegrad, case.op)
     native = getattr(_C, case.op)
-    eager = getattr(ref, case.op)
+    fwd = cpu_bench.AUTOGRAD_BASELINE.get(case.op)
+    eager = cpu_bench.autograd_backward(getattr(ref, fwd)) if fwd else getattr(ref, case.op)
     got = api(*base.api_args, **base.api_kwargs)
     want = eager(*base.ref_args, **base.ref_kwargs)
     check = cpu_bench.check_outputs(case.op, base, got, want)
@@ -84,7 +86,9 @@ def run_case(case, l2: int, copy: float, seed: int, do_compile: bool, calls: int
     ms_compile, check_compile = None, None
     if do_compile:
         try:
-            compiled = torch.compile(eager, dynamic=False)
+            compiled = (cpu_bench.autograd_backward(torch.compile(getattr(ref, fwd),
+                                                                  dynamic=False))
+                        if fwd else torch.compile(eager, dynamic=False))
             compiled(*base.ref_args, **base.ref_kwargs)
             ms_compile = _time_events([lambda d=d: compiled(*d.ref_args, **d.ref_kwargs)
                                        for d in sets], 2, max(5, calls // 2))
@@ -111,7 +115,7 @@ def select(args) -> List:
     dtypes = args.dtypes or (["bf16"] if (args.quick or args.tiny) else ["bf16", "fp32"])
     ops = [op for op in args.ops if op in CUDA_OPS]  # the others have no CUDA kernel yet
     return [cpu_bench.build_case(op, m, dt, t) for op in ops for m, ts in plan.items()
-            for t in ts for dt in dtypes]
+            if m in cpu_bench.OP_MODELS.get(op, (m,)) for t in ts for dt in dtypes]
 
 
 def main(args) -> int:

@@ -46,9 +46,15 @@ MODELS: Dict[str, dict] = {
 
 OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
        "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward",
-       "swiglu_group_quant", "moe_init_routing", "moe_init_routing_grad")
+       "swiglu_group_quant", "moe_init_routing", "moe_init_routing_grad", "clipped_swiglu",
+       "clipped_swiglu_grad")
 BACKWARD_OPS = ("moe_gating_top_k_backward", "moe_finalize_routing_grad",
-                "swiglu_group_quant_backward", "moe_init_routing_grad")
+                "swiglu_group_quant_backward", "moe_init_routing_grad", "clipped_swiglu_grad")
+# Ops that only some models use (the rest run for every model).
+OP_MODELS = {"clipped_swiglu": ("gpt_oss",), "clipped_swiglu_grad": ("gpt_oss",)}
+# Backward ops whose baselines are torch.autograd's backward of a forward formula: eager, and
+# the backward graph torch.compile makes for the compiled forward (see autograd_backward).
+AUTOGRAD_BASELINE = {"clipped_swiglu_grad": "clipped_swiglu"}
 # Targets (docs/performance.md "Targets"): every case at TARGET_TOKENS tokens, 2 threads.
 TARGET_TOKENS = 4096
 TARGET_ROOF = 0.70                        # of the copy bandwidth; not for ROOF_EXEMPT
@@ -97,6 +103,10 @@ BYTES: Dict[str, Tuple[str, Callable[..., int]]] = {
         "x Tk*2F*s + weight Tk*4 + group_index G*8 + y Tk*F*1 + y_scale Tk*ceil(F/128)*4",
         lambda Tk, F, G, s, **_: Tk * 2 * F * s + Tk * 4 + G * 8 + Tk * F
         + Tk * ((F + 127) // 128) * 4),
+    # The GPT-OSS activation (clamp mode 0, interleaved, no group_index).
+    "clipped_swiglu": ("x Tk*2F*s + y Tk*F*s", lambda Tk, F, s, **_: 3 * Tk * F * s),
+    "clipped_swiglu_grad": ("grad_y Tk*F*s + x Tk*2F*s + grad_x Tk*2F*s",
+                            lambda Tk, F, s, **_: 5 * Tk * F * s),
     "moe_init_routing": (
         "x R*H*s + expert_idx R*K*4 + expanded_x R*K*H*s + expanded_row_idx R*K*4 + counts N*8",
         lambda R, K, H, N, s, **_: R * H * s + R * K * 4 + R * K * H * s + R * K * 4 + N * 8),
@@ -113,6 +123,7 @@ EAGER_TEMP_FACTOR = {
     "moe_finalize_routing_grad": 0.8, "swiglu_group": 1.4, "swiglu_group_quant_backward": 2.3,
     "swiglu_group_quant": 3.0,
     "moe_init_routing": 1.6, "moe_init_routing_grad": 1.2,
+    "clipped_swiglu": 2.0, "clipped_swiglu_grad": 4.0,
 }
 
 
@@ -352,6 +363,22 @@ def build_case(op: str, model: str, dtype_name: str, tokens: int) -> Case:
             # The native call writes y through a uint8 view (float8 does not cross DLPack).
             return CaseData((x,), kw, (x, w, gi, None, 36, 0, 0, False, clamp, 15.0, False,
                                        y.view(torch.uint8), ys, None), (y, ys), (x,), kw)
+    elif op in ("clipped_swiglu", "clipped_swiglu_grad"):
+        Tk = T * K
+        dims = dict(Tk=Tk, F=F, s=s)
+        desc = f"x[{Tk},{2 * F}] limit=7 interleaved"
+        kw = dict(alpha=1.702, limit=7.0, bias=1.0, interleaved=True)   # GPT-OSS
+        native_attrs = (-1, 1.702, 7.0, 1.0, True, 0)
+
+        def make(g):
+            x = _randn((Tk, 2 * F), dt, g, 4.0)  # beyond +-7 often: the clamps act
+            if op == "clipped_swiglu":
+                y = torch.empty((Tk, F), dtype=dt)
+                return CaseData((x,), kw, (x, None) + native_attrs + (y,), (y,), (x,), kw)
+            gy = _randn((Tk, F), dt, g)
+            gx = torch.empty((Tk, 2 * F), dtype=dt)
+            return CaseData((gy, x), kw, (gy, x, None) + native_attrs + (gx,), (gx,), (gy, x),
+                            kw)
     elif op == "moe_init_routing":
         dims = dict(R=T, K=K, H=H, N=E, s=s)
         desc = f"x[{T},{H}] k={K} E={E}"
@@ -471,7 +498,8 @@ def check_outputs(op: str, data: CaseData, got: tuple, want: tuple) -> str:
                  "swiglu_group": ("y",),
                  "swiglu_group_quant_backward": ("grad_x", "grad_weight"),
                  "moe_init_routing": ("expanded_x", "expanded_row_idx", "counts"),
-                 "moe_init_routing_grad": ("grad_x",)}[op]
+                 "moe_init_routing_grad": ("grad_x",),
+                 "clipped_swiglu": ("y",), "clipped_swiglu_grad": ("grad_x",)}[op]
         got = got if isinstance(got, tuple) else (got,)
         want = want if isinstance(want, tuple) else (want,)
         problems = [_close(n, a, b) for n, a, b in zip(names, got, want)]
@@ -609,6 +637,24 @@ def target_checks(r: dict) -> Dict[str, Optional[bool]]:
                                                    else TARGET_COMPILE_FWD))
 
 
+def autograd_backward(forward: Callable) -> Callable:
+    """grad(grad_y, x, group_index=None, **attrs) -> grad_x by torch.autograd through `forward`
+    (eager, or a torch.compile'd function, whose backward is then the compiled backward graph).
+    The forward's graph is built once per x and retained, so a call times the backward alone,
+    as in a training step."""
+    graphs: Dict[int, Tuple[Tensor, Tensor, Tensor]] = {}
+
+    def grad(grad_y: Tensor, x: Tensor, group_index: Optional[Tensor] = None, **attrs) -> Tensor:
+        if id(x) not in graphs:
+            with torch.enable_grad():
+                xl = x.detach().requires_grad_(True)
+                graphs[id(x)] = (x, xl, forward(xl, group_index, **attrs))
+        _, xl, y = graphs[id(x)]
+        return torch.autograd.grad(y, xl, grad_y, retain_graph=True)[0]
+
+    return grad
+
+
 def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
              do_compile: bool, budget: Budget, probe: Optional["CopyProbe"] = None,
              rounds: int = 1) -> dict:
@@ -625,7 +671,8 @@ def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
 
     api = getattr(moegrad, case.op)
     native = getattr(_C, case.op)
-    eager = getattr(ref, case.op)
+    fwd = AUTOGRAD_BASELINE.get(case.op)
+    eager = autograd_backward(getattr(ref, fwd)) if fwd else getattr(ref, case.op)
 
     # ---- correctness, once ----
     got = api(*base.api_args, **base.api_kwargs)
@@ -641,7 +688,10 @@ def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
     check_compile = None
     if do_compile:
         torch._dynamo.reset()
-        compiled = torch.compile(eager, dynamic=False)
+        if fwd:
+            compiled = autograd_backward(torch.compile(getattr(ref, fwd), dynamic=False))
+        else:
+            compiled = torch.compile(eager, dynamic=False)
         try:
             got_c = compiled(*base.ref_args, **base.ref_kwargs)
             check_compile = check_outputs(case.op, base, got_c, want)
@@ -688,6 +738,8 @@ def select_cases(args) -> List[Tuple[Case, bool]]:
         plan = {m: plan.get(m, next(iter(plan.values()))) for m in args.models}
     for op in args.ops:
         for model, (tokens, dtypes) in plan.items():
+            if model not in OP_MODELS.get(op, (model,)):
+                continue
             for t in (args.tokens or tokens):
                 for dt in (args.dtypes or dtypes):
                     case = build_case(op, model, dt, t)
