@@ -1,5 +1,5 @@
 // ClippedSwiglu (V1/V2) and ClippedSwigluGrad, the GPT-OSS SwiGLU: parameters, validation and
-// shape inference (no kernels). docs/operators.md §9; docs/decisions.md D32, L160-L169.
+// shape inference (no kernels). docs/operators.md §9; docs/decisions.md D32, L160-L167.
 //
 // Every dim reduces to one 2-D problem: x viewed as [pre, cut, after] around dim is folded to
 // rows [pre, 2h] (2h = cut * after), y to [pre, h]; the gate A and linear half B are taken along
