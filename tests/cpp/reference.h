@@ -342,83 +342,78 @@ inline void clipped_fold(const std::vector<int64_t>& shape, int64_t dim, int64_t
   h = rest / 2;
   if (pre * rest == 0) pre = h = 0;
 }
-// Indices of gate and linear element j of folded row p.
-inline void clipped_pos(const Clipped& c, int64_t p, int64_t j, int64_t h, int64_t& ia,
-                        int64_t& ib) {
-  ia = c.interleaved ? p * 2 * h + 2 * j : p * 2 * h + j;
-  ib = c.interleaved ? ia + 1 : ia + h;
+// Calls f(out, ia, ib) for every output element `out` = p * h + j of the rows p below the group
+// total, with ia / ib the indices of its gate and linear elements in x. Returns h.
+template <typename F>
+inline int64_t clipped_each(const std::vector<int64_t>& shape, const std::vector<int64_t>* gi,
+                            const Clipped& c, int64_t& pre, F&& f) {
+  int64_t h;
+  clipped_fold(shape, c.dim, pre, h);
+  const int64_t rows = swiglu_trunc(gi, pre);
+  for (int64_t p = 0; p < rows; ++p) {
+    for (int64_t j = 0; j < h; ++j) {
+      const int64_t ia = c.interleaved ? p * 2 * h + 2 * j : p * 2 * h + j;
+      f(p * h + j, ia, c.interleaved ? ia + 1 : ia + h);
+    }
+  }
+  return h;
 }
 struct ClippedOut {
   Vec v, scale;
 };
 inline ClippedOut clipped_forward(const Vec& x, const std::vector<int64_t>& shape,
                                   const std::vector<int64_t>* gi, const Clipped& c) {
-  int64_t pre, h;
-  clipped_fold(shape, c.dim, pre, h);
-  ClippedOut r{Vec(pre * h, 0.0), Vec(pre * h, 0.0)};
-  const int64_t rows = swiglu_trunc(gi, pre);
+  int64_t pre, h0;
+  clipped_fold(shape, c.dim, pre, h0);
+  ClippedOut r{Vec(pre * h0, 0.0), Vec(pre * h0, 0.0)};
   const double L = c.limit;
-  for (int64_t p = 0; p < rows; ++p) {
-    for (int64_t j = 0; j < h; ++j) {
-      int64_t ia, ib;
-      clipped_pos(c, p, j, h, ia, ib);
-      const double A = x[ia], B = x[ib];
-      const double Bc = std::min(std::max(B, -L), L);
-      double y, mag;
-      if (c.mode == 0) {
-        const double Ac = std::min(A, L);
-        const double s = sigmoid(c.alpha * Ac);
-        y = Ac * s * (Bc + c.bias);
-        mag = std::fabs(Ac * s) * (std::fabs(Bc) + std::fabs(c.bias));
-      } else {
-        const double g = std::min(A * sigmoid(A), L);
-        y = g * Bc;
-        mag = std::fabs(y);
-      }
-      r.v[p * h + j] = y;
-      r.scale[p * h + j] = mag;
+  clipped_each(shape, gi, c, pre, [&](int64_t o, int64_t ia, int64_t ib) {
+    const double A = x[ia], B = x[ib];
+    const double Bc = std::min(std::max(B, -L), L);
+    if (c.mode == 0) {
+      const double Ac = std::min(A, L);
+      const double s = sigmoid(c.alpha * Ac);
+      r.v[o] = Ac * s * (Bc + c.bias);
+      r.scale[o] = std::fabs(Ac * s) * (std::fabs(Bc) + std::fabs(c.bias));
+    } else {
+      r.v[o] = std::min(A * sigmoid(A), L) * Bc;
+      r.scale[o] = std::fabs(r.v[o]);
     }
-  }
+  });
   return r;
 }
 inline ClippedOut clipped_backward(const Vec& gy, const Vec& x, const std::vector<int64_t>& shape,
                                    const std::vector<int64_t>* gi, const Clipped& c) {
-  int64_t pre, h;
-  clipped_fold(shape, c.dim, pre, h);
-  ClippedOut r{Vec(pre * 2 * h, 0.0), Vec(pre * 2 * h, 0.0)};
-  const int64_t rows = swiglu_trunc(gi, pre);
+  ClippedOut r{Vec(x.size(), 0.0), Vec(x.size(), 0.0)};
   const double L = c.limit;
-  for (int64_t p = 0; p < rows; ++p) {
-    for (int64_t j = 0; j < h; ++j) {
-      int64_t ia, ib;
-      clipped_pos(c, p, j, h, ia, ib);
-      const double A = x[ia], B = x[ib], g = gy[p * h + j];
-      const double Bc = std::min(std::max(B, -L), L);
-      const bool mb = B >= -L && B <= L;  // inclusive (§9.5)
-      double da, db, mag_a;
-      if (c.mode == 0) {
-        const double Ac = std::min(A, L);
-        const double s = sigmoid(c.alpha * Ac);
-        const double t = 1.0 + c.alpha * Ac * (1.0 - s);
-        da = A <= L ? g * (Bc + c.bias) * s * t : 0.0;
-        mag_a = std::fabs(g) * (std::fabs(Bc) + std::fabs(c.bias)) * s *
-                (1.0 + std::fabs(c.alpha * Ac) * (1.0 - s));
-        db = mb ? g * Ac * s : 0.0;
-      } else {
-        // g(A) = min(A sigmoid(A), limit): d/dA = sigmoid(A) (1 + A (1 - sigmoid(A))) where
-        // A sigmoid(A) <= limit (inclusive, like torch.clamp's backward), else 0.
-        const double s = sigmoid(A);
-        const double u = A * s;
-        da = u <= L ? g * Bc * s * (1.0 + A * (1.0 - s)) : 0.0;
-        mag_a = std::fabs(g * Bc) * s * (1.0 + std::fabs(A) * (1.0 - s));
-        db = mb ? g * std::min(u, L) : 0.0;
-      }
-      r.v[ia] = da;
-      r.v[ib] = db;
-      r.scale[ia] = da == 0.0 ? 0.0 : mag_a;
-      r.scale[ib] = std::fabs(db);
+  int64_t pre;
+  clipped_each(shape, gi, c, pre, [&](int64_t o, int64_t ia, int64_t ib) {
+    const double A = x[ia], B = x[ib], g = gy[o];
+    const double Bc = std::min(std::max(B, -L), L);
+    const bool mb = B >= -L && B <= L;  // inclusive (§9.5)
+    double da, db, mag_a;
+    if (c.mode == 0) {
+      const double Ac = std::min(A, L);
+      const double s = sigmoid(c.alpha * Ac);
+      const double t = 1.0 + c.alpha * Ac * (1.0 - s);
+      da = A <= L ? g * (Bc + c.bias) * s * t : 0.0;
+      mag_a = std::fabs(g) * (std::fabs(Bc) + std::fabs(c.bias)) * s *
+              (1.0 + std::fabs(c.alpha * Ac) * (1.0 - s));
+      db = mb ? g * Ac * s : 0.0;
+    } else {
+      // g(A) = min(A sigmoid(A), limit): d/dA = sigmoid(A) (1 + A (1 - sigmoid(A))) where
+      // A sigmoid(A) <= limit (inclusive, like torch.clamp's backward), else 0.
+      const double s = sigmoid(A);
+      const double u = A * s;
+      da = u <= L ? g * Bc * s * (1.0 + A * (1.0 - s)) : 0.0;
+      mag_a = std::fabs(g * Bc) * s * (1.0 + std::fabs(A) * (1.0 - s));
+      db = mb ? g * std::min(u, L) : 0.0;
     }
-  }
+    r.v[ia] = da;
+    r.v[ib] = db;
+    r.scale[ia] = da == 0.0 ? 0.0 : mag_a;
+    r.scale[ib] = std::fabs(db);
+  });
   return r;
 }
 

@@ -3,6 +3,7 @@
 // its code and untouched (poisoned) outputs, the §9.7 worked example, values of every dtype,
 // layout, dim and clamp mode against the float64 reference, group_index, empty tensors, and the
 // inclusive masks at exactly +-limit next to swiglu_group's strict ones.
+#include "hwy_targets.h"
 #include "reference.h"
 #include "test_util.h"
 
@@ -426,6 +427,42 @@ TEST(ClippedSwiglu, LargeOutputsStreamed) {
       g.check("large backward");
     }
   }
+}
+
+// Every SIMD target the CPU supports: SSE4 and AVX2 split, merge and narrow the halves with other
+// instructions than AVX-512 (and SSE4 converts fp16 in scalar code); the large cases take the
+// non-temporal stores (the whole-vector interleave of fp32 pairs).
+TEST(ClippedSwiglu, EverySimdTarget) {
+  SCOPED_TRACE(seed_trace());
+  moegrad_test::for_each_target([&](int64_t) {
+    for (aclDataType dt : {ACL_FLOAT, ACL_FLOAT16, ACL_BF16}) {
+      for (bool inter : {true, false}) {
+        for (int mode : {0, 1}) {
+          SCOPED_TRACE(std::string(dt_name(dt)) + (inter ? " interleaved" : " split") +
+                       " mode " + std::to_string(mode));
+          FwdCase f({5, 2 * 203}, dt, 61);
+          GradCase g({5, 2 * 203}, dt, 62);
+          for (ClippedBase* c : {static_cast<ClippedBase*>(&f), static_cast<ClippedBase*>(&g)}) {
+            c->attr.interleaved = inter;
+            c->attr.mode = mode;
+            c->group_index = Tensor::from_i64({1}, {4});
+          }
+          ASSERT_TRUE(run_ok(f));
+          f.check("forward");
+          ASSERT_TRUE(run_ok(g));
+          g.check("backward");
+        }
+      }
+    }
+    FwdCase f({512, 2 * 4096}, ACL_FLOAT, 63);
+    f.group_index = Tensor();
+    ASSERT_TRUE(run_ok(f));
+    f.check("large forward");
+    GradCase g({256, 2 * 4096}, ACL_FLOAT, 64);
+    g.group_index = Tensor();
+    ASSERT_TRUE(run_ok(g));
+    g.check("large backward");
+  });
 }
 
 TEST(ClippedSwiglu, WorkspaceSizeIdempotent) {

@@ -162,17 +162,25 @@ struct Consts {
         one(hn::Set(d, 1.0f)) {}
 };
 
-// y of one vector. Mode 0: A' s (B' + bias), s = sigmoid(alpha A'); mode 1: min(A sigmoid(A),
-// limit) B'. kSixteen (bf16/fp16 data): the shorter sigmoid of the SwiGLU forward (L96).
+// p * sigmoid(x). kSixteen (bf16/fp16 data): as in the SwiGLU forward, MulSigmoid16 on AVX-512
+// (L105), else the shorter sigmoid (L96); fp32 the sigmoid of L71.
+template <bool kSixteen>
+HWY_INLINE VF MulSigmoidT(DF d, VF x, VF p) {
+#if MOEGRAD_SIMD_AVX512
+  if constexpr (kSixteen) return MulSigmoid16(d, x, p);
+#endif
+  return hn::Mul(p, SigmoidT<kSixteen>(d, x));
+}
+
+// y of one vector. Mode 0: A' sigmoid(alpha A') (B' + bias); mode 1: min(A sigmoid(A), limit) B'.
 template <int kMode, bool kSixteen>
 HWY_INLINE VF ForwardValue(DF d, const Consts& k, VF a, VF b) {
   const VF bc = ClampUp(k.c, k.nc, b);
   if constexpr (kMode == 0) {
     const VF ac = ClampGate(k.c, a);
-    const VF s = SigmoidT<kSixteen>(d, hn::Mul(k.alpha, ac));
-    return hn::Mul(hn::Mul(ac, s), hn::Add(bc, k.bias));
+    return hn::Mul(MulSigmoidT<kSixteen>(d, hn::Mul(k.alpha, ac), ac), hn::Add(bc, k.bias));
   } else {
-    return hn::Mul(ClampGate(k.c, hn::Mul(a, SigmoidT<kSixteen>(d, a))), bc);
+    return hn::Mul(ClampGate(k.c, MulSigmoidT<kSixteen>(d, a, a)), bc);
   }
 }
 
@@ -401,8 +409,8 @@ HWY_EXPORT(ClippedSwigluForward);
 HWY_EXPORT(ClippedSwigluBackward);
 
 namespace {
-// Work units (row, block of kClippedBlock output columns) and threads: at least ~16K output elements
-// per thread.
+// Work units (row, block of kClippedBlock output columns) and threads: at least ~16K output
+// elements per thread.
 int64_t units_of(const ClippedSwigluShape& s) {
   if (s.pre == 0 || s.h == 0) return 0;
   return s.pre * ((s.h + kClippedBlock - 1) / kClippedBlock);

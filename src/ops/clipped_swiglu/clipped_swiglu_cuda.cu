@@ -166,40 +166,52 @@ __global__ void __launch_bounds__(kThreads) clipped_bwd_kernel(Params p) {
   }
 }
 
-Attrs attrs_of(const ClippedSwigluShape& s) {
-  return Attrs{s.alpha, s.limit, s.bias, static_cast<int>(s.clamp_mode)};
+// The parameters both kernels share; launches the device row count of group_index first.
+Params params_of(const char* op, int device_id, const ClippedSwigluShape& s, const void* x,
+                 void* out, const Workspace& ws, void* stream) {
+  set_device(op, device_id);
+  Params p{};
+  p.x = x;
+  p.out = out;
+  p.active = launch_active(s.group_index, s.has_group_index, s.pre, ws.get<int64_t>(s.ws_active),
+                           stream);
+  p.pre = s.pre;
+  p.h = s.h;
+  p.k = Attrs{s.alpha, s.limit, s.bias, static_cast<int>(s.clamp_mode)};
+  p.interleaved = s.interleaved;
+  return p;
+}
+
+// Blocks of kThreads over the (row, output group) items of p.
+template <typename T>
+unsigned int blocks_of(const Params& p) {
+  return grid_blocks(p.pre * (p.vec ? p.h / Vec<T>::W : p.h), kThreads);
+}
+
+void reserve_active(ClippedSwigluShape& s, WorkspaceLayout& layout) {
+  if (s.has_group_index) s.ws_active = layout.add<int64_t>(1);
 }
 
 }  // namespace
 }  // namespace cuda
 
 void clipped_swiglu_cuda_size(ClippedSwigluPlan& plan, WorkspaceLayout& layout) {
-  if (plan.s.has_group_index) plan.s.ws_active = layout.add<int64_t>(1);
+  cuda::reserve_active(plan.s, layout);
 }
 
 void clipped_swiglu_grad_cuda_size(ClippedSwigluGradPlan& plan, WorkspaceLayout& layout) {
-  if (plan.s.has_group_index) plan.s.ws_active = layout.add<int64_t>(1);
+  cuda::reserve_active(plan.s, layout);
 }
 
 void clipped_swiglu_cuda(const ClippedSwigluPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
   if (plan.s.pre == 0 || plan.s.h == 0) return;  // empty: nothing to launch
-  set_device(plan.op, plan.device_id);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  Params p{};
-  p.x = plan.x.data;
-  p.out = plan.y.data;
-  p.active = launch_active(plan.s.group_index, plan.s.has_group_index, plan.s.pre,
-                           ws.get<int64_t>(plan.s.ws_active), stream);
-  p.pre = plan.s.pre;
-  p.h = plan.s.h;
-  p.k = attrs_of(plan.s);
-  p.interleaved = plan.s.interleaved;
+  Params p = params_of(plan.op, plan.device_id, plan.s, plan.x.data, plan.y.data, ws, stream);
   p.vec = vec_ok(plan.s.h, plan.x.dtype, {p.x, p.out});
   dispatch(plan.x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int64_t per = p.vec ? p.h / Vec<T>::W : p.h;
-    clipped_fwd_kernel<T><<<grid_blocks(p.pre * per, kThreads), kThreads, 0, s>>>(p);
+    const cudaStream_t cs = static_cast<cudaStream_t>(stream);
+    clipped_fwd_kernel<T><<<blocks_of<T>(p), kThreads, 0, cs>>>(p);
   });
   check_launch(plan.op);
 }
@@ -208,23 +220,14 @@ void clipped_swiglu_grad_cuda(const ClippedSwigluGradPlan& plan, const Workspace
                               void* stream) {
   using namespace cuda;
   if (plan.s.pre == 0 || plan.s.h == 0) return;
-  set_device(plan.op, plan.device_id);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  Params p{};
-  p.x = plan.x.data;
+  Params p =
+      params_of(plan.op, plan.device_id, plan.s, plan.x.data, plan.grad_x.data, ws, stream);
   p.gy = plan.grad_y.data;
-  p.out = plan.grad_x.data;
-  p.active = launch_active(plan.s.group_index, plan.s.has_group_index, plan.s.pre,
-                           ws.get<int64_t>(plan.s.ws_active), stream);
-  p.pre = plan.s.pre;
-  p.h = plan.s.h;
-  p.k = attrs_of(plan.s);
-  p.interleaved = plan.s.interleaved;
   p.vec = vec_ok(plan.s.h, plan.x.dtype, {p.x, p.gy, p.out});
   dispatch(plan.x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int64_t per = p.vec ? p.h / Vec<T>::W : p.h;
-    clipped_bwd_kernel<T><<<grid_blocks(p.pre * per, kThreads), kThreads, 0, s>>>(p);
+    const cudaStream_t cs = static_cast<cudaStream_t>(stream);
+    clipped_bwd_kernel<T><<<blocks_of<T>(p), kThreads, 0, cs>>>(p);
   });
   check_launch(plan.op);
 }
