@@ -139,3 +139,21 @@ def test_runnable_block_runs(tmp_path, doc, line, lang, rest, code):
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, (f"{where} ({lang}) exited with {p.returncode}\n--- stdout\n"
                                f"{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}")
+
+
+def test_the_code_cites_only_documents_of_the_repository():
+    """Docstrings and comments of the library and its examples cite README.md or a page of
+    docs/ (often without the docs/ prefix); never a contract file users do not have (api.md)."""
+    pages = {"README.md", *(p.name for p in (ROOT / "docs").glob("*.md"))}
+    bad = []
+    for base in ("python", "include", "src", "examples"):
+        for path in sorted((ROOT / base).rglob("*")):
+            if not path.is_file() or path.suffix not in (".py", ".h", ".cc", ".cu", ".cuh",
+                                                         ".c", ".cpp", ".txt"):
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            for number, line in enumerate(text.splitlines(), 1):
+                for m in re.finditer(r"(?<![\w.-])(?<!--markdown )([\w-]+\.md)\b", line):
+                    if m.group(1) not in pages:
+                        bad.append(f"{path.relative_to(ROOT)}:{number}: {m.group(1)}")
+    assert not bad, "citations of documents the repository does not have:\n" + "\n".join(bad)

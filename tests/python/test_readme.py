@@ -1,6 +1,9 @@
 """The README's PyTorch example runs as printed and shows what it claims (docs/decisions.md L61):
-the router gets a non-zero gradient, autograd agrees with a finite difference, and training the
-router alone lowers the loss. Also: the README starts with the two set-up-free commands."""
+it composes the operators through moe_permute / moe_unpermute (L170), the router gets a non-zero
+gradient, autograd agrees with a finite difference, and training the router alone lowers the
+loss. Also: the README starts with the two set-up-free commands, its "More" section links every
+page of docs/ with whom it is for, and docs/demo.md's speed figures name the machine and the
+command that measured them."""
 from __future__ import annotations
 
 import pathlib
@@ -24,6 +27,9 @@ def test_readme_starts_with_make_demo_and_make_test():
 def test_readme_example_router_learns(capsys):
     m = re.search(r"## Using it from PyTorch.*?```python\n(.*?)```", _text(), re.S)
     assert m, "README.md lost its '## Using it from PyTorch' python block"
+    # The example shows the safe composition (L170), not a permutation written by hand.
+    assert "moegrad.moe_permute(" in m.group(1) and "moegrad.moe_unpermute(" in m.group(1)
+    assert "argsort" not in m.group(1)
     ns: dict = {}
     exec(compile(m.group(1), str(README), "exec"), ns)
     out = capsys.readouterr().out
