@@ -98,8 +98,14 @@ def test_swiglu_activation_with_biases_and_capacity(seed):
 
 
 def test_arguments():
-    with pytest.raises(ValueError, match="activation"):
+    with pytest.raises(ValueError, match="MoE: activation: must be"):
         MoE(8, 4, 4, 2, activation="gelu")
+    with pytest.raises(ValueError, match="MoE: swiglu_limit: must be > 0; got 0"):
+        MoE(8, 4, 4, 2, activation="clipped_swiglu", swiglu_limit=0.0)
+    with pytest.raises(ValueError, match="MoE: swiglu_alpha: must be finite"):
+        MoE(8, 4, 4, 2, swiglu_alpha=float("nan"))
+    with pytest.raises(TypeError, match="MoE: swiglu_offset: must be a number"):
+        MoE(8, 4, 4, 2, swiglu_offset="1")
     m = MoE(8, 4, 4, 2)
     assert m.b_up is None and m.b_down is None and m.gate_bias is None
     assert {n for n, _ in m.named_parameters()} == {"gate", "w_up", "w_down"}
