@@ -187,18 +187,20 @@ HWY_INLINE VF ForwardValue(DF d, const Consts& k, VF a, VF b) {
 // (dA, dB) of one vector for upstream gradient g. Masks are inclusive (D32; L163): mode 0
 // [A <= limit], mode 1 [A sigmoid(A) <= limit], both modes [-limit <= B <= limit]; a NaN input
 // fails its mask.
-template <int kMode>
+// kSixteen (bf16/fp16 data): the shorter sigmoid (L96), whose few fp32 ulps more are far below
+// the output's rounding.
+template <int kMode, bool kSixteen>
 HWY_INLINE void BackwardValue(DF d, const Consts& k, VF a, VF b, VF g, VF& da, VF& db) {
   const VF bc = ClampUp(k.c, k.nc, b);
   const auto mb = hn::And(hn::Ge(b, k.nc), hn::Le(b, k.c));
   if constexpr (kMode == 0) {
     const VF ac = ClampGate(k.c, a);
-    const VF s = Sigmoid(d, hn::Mul(k.alpha, ac));
+    const VF s = SigmoidT<kSixteen>(d, hn::Mul(k.alpha, ac));
     const VF ds = hn::Mul(s, hn::Add(k.one, hn::Mul(hn::Mul(k.alpha, ac), hn::Sub(k.one, s))));
     da = hn::IfThenElseZero(hn::Le(a, k.c), hn::Mul(hn::Mul(g, hn::Add(bc, k.bias)), ds));
     db = hn::IfThenElseZero(mb, hn::Mul(g, hn::Mul(ac, s)));
   } else {
-    const VF s = Sigmoid(d, a);
+    const VF s = SigmoidT<kSixteen>(d, a);
     const VF u = hn::Mul(a, s);
     const VF du = hn::Mul(s, hn::Add(k.one, hn::Mul(a, hn::Sub(k.one, s))));
     da = hn::IfThenElseZero(hn::Le(u, k.c), hn::Mul(hn::Mul(g, bc), du));
@@ -263,13 +265,14 @@ template <bool kStream, bool kInter, int kMode, typename T>
 HWY_INLINE void BackwardSegment(const Consts& k, const T* HWY_RESTRICT xr,
                                 const T* HWY_RESTRICT gr, T* HWY_RESTRICT gxr, int64_t h,
                                 int64_t j0, int64_t j1) {
+  constexpr bool kSixteen = !std::is_same_v<T, float>;
   const DF d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   int64_t j = j0;
   for (; j + N <= j1; j += N) {
     VF a, b, da, db;
     LoadHalves<kInter>(d, xr, h, j, a, b);
-    BackwardValue<kMode>(d, k, a, b, LoadF(d, gr + j), da, db);
+    BackwardValue<kMode, kSixteen>(d, k, a, b, LoadF(d, gr + j), da, db);
     if constexpr (kInter) {
       StorePairF<kStream>(d, da, db, gxr + 2 * j);
     } else {
@@ -281,7 +284,7 @@ HWY_INLINE void BackwardSegment(const Consts& k, const T* HWY_RESTRICT xr,
     const size_t n = static_cast<size_t>(j1 - j);
     VF a, b, da, db;
     LoadHalvesN<kInter>(d, xr, h, j, n, a, b);
-    BackwardValue<kMode>(d, k, a, b, LoadFN(d, gr + j, n), da, db);
+    BackwardValue<kMode, kSixteen>(d, k, a, b, LoadFN(d, gr + j, n), da, db);
     if constexpr (kInter) {
       HWY_ALIGN T buf[2 * kMaxFloatLanes];
       StorePairF<false>(d, da, db, buf);
