@@ -213,25 +213,19 @@ __global__ void gating_fwd_kernel(FwdParams p) {
     for (int j = lane; j < N; j += 32) score[j] = p.has_bias ? norm[j] + ld(bias + j) : norm[j];
     __syncwarp();
 
-    if (p.grouped && p.G <= 32 && p.take <= 2) {
-      group_scores_parallel(p, score, gscore, lane);
-      for (int g = lane; g < p.G; g += 32) kept[g] = 0;
-      __syncwarp();
-      warp_top_k(
-          p.G, p.k_group, 0, [&](int i) { return rank_key(gscore[i], i); },
-          [&](int, int id) {
-            if (lane == 0) kept[id] = 1;
-          });
-      __syncwarp();
-    } else if (p.grouped) {
-      const int gsize = p.gsize;
-      for (int g = 0; g < p.G; ++g) {
-        const int base = g * gsize;
-        float gs = 0.0f;
-        warp_top_k(
-            gsize, p.take, base, [&](int i) { return rank_key(score[base + i], base + i); },
-            [&](int, int id) { gs += score[id]; });
-        if (lane == 0) gscore[g] = gs;
+    if (p.grouped) {
+      if (p.G <= 32 && p.take <= 2) {
+        group_scores_parallel(p, score, gscore, lane);
+      } else {
+        const int gsize = p.gsize;
+        for (int g = 0; g < p.G; ++g) {
+          const int base = g * gsize;
+          float gs = 0.0f;
+          warp_top_k(
+              gsize, p.take, base, [&](int i) { return rank_key(score[base + i], base + i); },
+              [&](int, int id) { gs += score[id]; });
+          if (lane == 0) gscore[g] = gs;
+        }
       }
       for (int g = lane; g < p.G; g += 32) kept[g] = 0;
       __syncwarp();

@@ -349,12 +349,17 @@ int threads_for(int64_t H, DType dt, int unroll) {
   return static_cast<int>(t < kThreads ? t : kThreads);
 }
 
-const int64_t* launch_active(const char* op, const TensorView& gi, bool has, int64_t T,
-                             int64_t* active, cudaStream_t s) {
-  if (!has) return nullptr;
-  active_rows_kernel<<<1, kCountThreads, 0, s>>>(static_cast<const int64_t*>(gi.data),
-                                                 gi.numel(), T, active);
-  check_launch(op);
+// The common start of the three launchers: the device, the stream, and the row count of L8 on
+// the device (null without group_index: all T rows).
+template <class Plan>
+const int64_t* launch_active(const Plan& plan, const Workspace& ws, cudaStream_t s) {
+  set_device(plan.op, plan.device_id);
+  if (!plan.has_group_index) return nullptr;
+  int64_t* active = ws.get<int64_t>(plan.ws_active);
+  active_rows_kernel<<<1, kCountThreads, 0, s>>>(
+      static_cast<const int64_t*>(plan.group_index.data), plan.group_index.numel(), plan.T,
+      active);
+  check_launch(plan.op);
   return active;
 }
 
@@ -376,13 +381,11 @@ void swiglu_quant_cuda_size(SwigluQuantPlan& plan, WorkspaceLayout& layout) {
 void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
   if (plan.T == 0) return;  // zero tokens launch nothing
-  set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   Params p{};
   p.x = plan.x.data;
   p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan.op, plan.group_index, plan.has_group_index, plan.T,
-                           ws.get<int64_t>(plan.ws_active), s);
+  p.active = launch_active(plan, ws, s);
   p.out = plan.y.data;
   p.T = plan.T;
   p.H = plan.H;
@@ -399,14 +402,12 @@ void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream) {
 void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
   if (plan.T == 0) return;
-  set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool want_gw = plan.wants_grad_weight();
   Params p{};
   p.x = plan.x.data;
   p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan.op, plan.group_index, plan.has_group_index, plan.T,
-                           ws.get<int64_t>(plan.ws_active), s);
+  p.active = launch_active(plan, ws, s);
   p.gy = plan.grad_y.data;
   p.y_origin = want_gw ? plan.y_origin.data : nullptr;
   p.out = plan.grad_x.data;
@@ -426,13 +427,11 @@ void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* str
 void swiglu_quant_cuda(const SwigluQuantPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
   if (plan.T == 0) return;
-  set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   QuantParams p{};
   p.x = plan.x.data;
   p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan.op, plan.group_index, plan.has_group_index, plan.T,
-                           ws.get<int64_t>(plan.ws_active), s);
+  p.active = launch_active(plan, ws, s);
   p.y = static_cast<uint8_t*>(plan.y.data);
   p.sc32 = plan.quant_mode == 0 ? static_cast<float*>(plan.y_scale.data) : nullptr;
   p.sc8 = plan.quant_mode == 1 ? static_cast<uint8_t*>(plan.y_scale.data) : nullptr;
