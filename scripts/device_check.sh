@@ -157,7 +157,13 @@ step tests "$PY" -m pytest "$ROOT/tests/python/test_cuda.py" -q -x -p no:cachepr
 
 # memcheck of a few calls of every operator (not the test suite: under the sanitizer every
 # kernel launch is slow, so a small held-back set of calls fits its limit).
-step memcheck "$SAN" --tool memcheck --error-exitcode 3 "$PY" "$ROOT/scripts/device_calls.py" memcheck
+if [ -n "$SAN" ]; then
+  step memcheck "$SAN" --tool memcheck --error-exitcode 3 "$PY" "$ROOT/scripts/device_calls.py" \
+    memcheck
+else
+  ROWS+=("$(printf '%-10s %-12s %5ss  %s' memcheck MISSING 0 'no compute-sanitizer on PATH or in /usr/local/cuda')")
+  FAILED=1
+fi
 
 step sync "$PY" "$ROOT/scripts/device_calls.py" sync
 
