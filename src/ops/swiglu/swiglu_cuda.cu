@@ -363,6 +363,19 @@ const int64_t* launch_active(const Plan& plan, const Workspace& ws, cudaStream_t
   return active;
 }
 
+// The parameters every SwiGLU kernel shares (Params or QuantParams).
+template <class P, class Plan>
+P common_params(const Plan& plan, const Workspace& ws, cudaStream_t s) {
+  P p{};
+  p.x = plan.x.data;
+  p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
+  p.active = launch_active(plan, ws, s);
+  p.T = plan.T;
+  p.H = plan.H;
+  p.clamp = Clamp{plan.clamp, plan.clamp > 0.0f};
+  return p;
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -382,14 +395,8 @@ void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream) {
   using namespace cuda;
   if (plan.T == 0) return;  // zero tokens launch nothing
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  Params p{};
-  p.x = plan.x.data;
-  p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan, ws, s);
+  Params p = common_params<Params>(plan, ws, s);
   p.out = plan.y.data;
-  p.T = plan.T;
-  p.H = plan.H;
-  p.clamp = Clamp{plan.clamp, plan.clamp > 0.0f};
   p.vec = vec_ok(plan.H, plan.x.dtype, {p.x, p.out});
   dispatch(plan.x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -404,17 +411,11 @@ void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* str
   if (plan.T == 0) return;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool want_gw = plan.wants_grad_weight();
-  Params p{};
-  p.x = plan.x.data;
-  p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan, ws, s);
+  Params p = common_params<Params>(plan, ws, s);
   p.gy = plan.grad_y.data;
   p.y_origin = want_gw ? plan.y_origin.data : nullptr;
   p.out = plan.grad_x.data;
   p.grad_weight = want_gw ? static_cast<float*>(plan.grad_weight.data) : nullptr;
-  p.T = plan.T;
-  p.H = plan.H;
-  p.clamp = Clamp{plan.clamp, plan.clamp > 0.0f};
   p.vec = vec_ok(plan.H, plan.x.dtype, {p.x, p.gy, p.y_origin, p.out});
   dispatch(plan.x.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -428,21 +429,15 @@ void swiglu_quant_cuda(const SwigluQuantPlan& plan, const Workspace& ws, void* s
   using namespace cuda;
   if (plan.T == 0) return;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  QuantParams p{};
-  p.x = plan.x.data;
-  p.weight = plan.has_weight ? static_cast<const float*>(plan.weight.data) : nullptr;
-  p.active = launch_active(plan, ws, s);
+  QuantParams p = common_params<QuantParams>(plan, ws, s);
   p.y = static_cast<uint8_t*>(plan.y.data);
   p.sc32 = plan.quant_mode == 0 ? static_cast<float*>(plan.y_scale.data) : nullptr;
   p.sc8 = plan.quant_mode == 1 ? static_cast<uint8_t*>(plan.y_scale.data) : nullptr;
   p.y_origin = plan.write_origin ? plan.y_origin.data : nullptr;
-  p.T = plan.T;
-  p.H = plan.H;
   p.B = plan.block;
   p.S = plan.scale_stride;
   p.blocks = plan.blocks;
   p.fmax = swiglu_formula::fp8_max(plan.e5m2);
-  p.clamp = Clamp{plan.clamp, plan.clamp > 0.0f};
   p.e5m2 = plan.e5m2;
   p.round_scale = plan.round_scale;
   // The vector path also needs 8-byte (4-byte for fp32) aligned code rows.
