@@ -50,7 +50,7 @@ __global__ void row_idx_kernel(SortedSlots s, int64_t n, uint32_t in_limit, bool
   }
 }
 
-// Copies one row of `bytes` bytes (src null: zeros) with vectors of type V, kUnroll loads of each
+// Copies one row of n vectors of type V (src null: zeros), kUnroll loads of each
 // thread issued before its stores.
 template <typename V>
 __device__ __forceinline__ void copy_row(const V* __restrict__ src, V* __restrict__ dst,
