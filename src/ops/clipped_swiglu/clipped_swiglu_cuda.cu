@@ -3,12 +3,14 @@
 // loop over (row, group of W output columns): W = one 16-byte vector of the output (4 fp32 or 8
 // fp16/bf16 elements), read as 16-byte vectors (interleaved: two per W pairs) where every row is
 // 16-byte aligned, else element by element. The group_index row count comes from the SwiGLU
-// family's device kernel (launch_active): no host synchronisation. Rows past it are +0. All on
-// the caller's stream.
+// family's device kernel (launch_group_rows): no host synchronisation. Rows past it are +0.
+// All on the caller's stream.
 #include "core/cuda_backend.h"
 #include "core/cuda_common.cuh"
+#include "core/formula.h"
 #include "ops/clipped_swiglu/clipped_swiglu.h"
 #include "ops/swiglu/swiglu.h"
+#include "ops/swiglu/swiglu_formula.h"
 
 namespace moegrad {
 namespace cuda {
@@ -19,27 +21,34 @@ constexpr int kThreads = 256;
 struct Attrs {
   float alpha, limit, bias;
   int mode;
+  // The SwiGLU family's clamps (gate capped above, linear half clamped to [-limit, limit]; NaN
+  // passes), always on here; the masks differ (inclusive, D32).
+  __device__ __forceinline__ swiglu_formula::Clamp clamp() const {
+    return swiglu_formula::Clamp{limit, true};
+  }
 };
+
+__device__ __forceinline__ float sigmoid_f(float x) { return formula::sigmoid_stable(x); }
 
 // y of one element (§9.4); the same fp32 operations as the CPU kernel.
 __device__ __forceinline__ float clipped_f(float a, float b, const Attrs& k) {
-  const float bc = b > k.limit ? k.limit : (b < -k.limit ? -k.limit : b);
+  const swiglu_formula::Clamp cl = k.clamp();
+  const float bc = cl.up(b);
   if (k.mode == 0) {
-    const float ac = a > k.limit ? k.limit : a;
-    const float s = sigmoid_f(k.alpha * ac);
-    return ac * s * (bc + k.bias);
+    const float ac = cl.gate(a);
+    return ac * sigmoid_f(k.alpha * ac) * (bc + k.bias);
   }
-  const float u = a * sigmoid_f(a);
-  return (u > k.limit ? k.limit : u) * bc;
+  return cl.gate(a * sigmoid_f(a)) * bc;
 }
 
 // (dA, dB) of one element; inclusive masks (D32, L163), false for NaN.
 __device__ __forceinline__ void clipped_grad_f(float a, float b, float g, const Attrs& k,
                                                float& da, float& db) {
-  const float bc = b > k.limit ? k.limit : (b < -k.limit ? -k.limit : b);
+  const swiglu_formula::Clamp cl = k.clamp();
+  const float bc = cl.up(b);
   const bool mb = b >= -k.limit && b <= k.limit;
   if (k.mode == 0) {
-    const float ac = a > k.limit ? k.limit : a;
+    const float ac = cl.gate(a);
     const float s = sigmoid_f(k.alpha * ac);
     const float ds = s * (1.0f + k.alpha * ac * (1.0f - s));
     da = a <= k.limit ? g * (bc + k.bias) * ds : 0.0f;
@@ -49,7 +58,7 @@ __device__ __forceinline__ void clipped_grad_f(float a, float b, float g, const 
     const float u = a * s;
     const float du = s * (1.0f + a * (1.0f - s));
     da = u <= k.limit ? g * bc * du : 0.0f;
-    db = mb ? g * (u > k.limit ? k.limit : u) : 0.0f;
+    db = mb ? g * cl.gate(u) : 0.0f;
   }
 }
 
@@ -173,8 +182,8 @@ Params params_of(const char* op, int device_id, const ClippedSwigluShape& s, con
   Params p{};
   p.x = x;
   p.out = out;
-  p.active = launch_active(s.group_index, s.has_group_index, s.pre, ws.get<int64_t>(s.ws_active),
-                           stream);
+  p.active = launch_group_rows(s.group_index, s.has_group_index, s.pre,
+                               ws.get<int64_t>(s.ws_active), stream);
   p.pre = s.pre;
   p.h = s.h;
   p.k = Attrs{s.alpha, s.limit, s.bias, static_cast<int>(s.clamp_mode)};
