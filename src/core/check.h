@@ -50,11 +50,23 @@ Claim dim_claim(const TensorView& t, const char* arg, int d);
 Claim rank_claim(const TensorView& t, const char* arg);
 Claim half_dim_claim(const TensorView& t, const char* arg, int d);
 
-// Concatenates its arguments with operator<<.
+namespace detail {
+template <typename T>
+void put(std::ostringstream& os, const T& v) {
+  os << v;
+}
+// Floating-point values are written in their shortest round-trip form (Python's repr): the
+// stream's default 6 digits would report clamp_limit = -0.9999999 as "-1" (L154).
+void put(std::ostringstream& os, double v);
+inline void put(std::ostringstream& os, float v) { put(os, static_cast<double>(v)); }
+}  // namespace detail
+
+// Concatenates its arguments with operator<< (floating-point values in shortest round-trip
+// form), e.g. a message "<op>: <argument>: <rule>; got <value>".
 template <typename... Args>
 std::string cat(const Args&... args) {
   std::ostringstream os;
-  (os << ... << args);
+  (detail::put(os, args), ...);
   return os.str();
 }
 
