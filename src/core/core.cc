@@ -1,9 +1,5 @@
 // Error type, tensor views, validation helpers and threads shared by all operators.
 #include <atomic>
-#include <charconv>
-#include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "core/backend.h"
@@ -101,28 +97,6 @@ int64_t dtype_size(DType dtype) {
     default: return 0;
   }
 }
-
-namespace detail {
-// Python's repr of a float: the shortest digits that read back as the same double, fixed
-// notation for decimal exponents -4 <= X < 16 (with ".0" when integral), else scientific.
-void put(std::ostringstream& os, double v) {
-  if (!std::isfinite(v)) {
-    os << (std::isnan(v) ? "nan" : (v < 0 ? "-inf" : "inf"));
-    return;
-  }
-  char buf[64];
-  auto r = std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::scientific);
-  const char* e = static_cast<const char*>(std::memchr(buf, 'e', r.ptr - buf));
-  const long exp10 = e ? std::strtol(e + 1, nullptr, 10) : 0;
-  if (exp10 >= -4 && exp10 < 16) {
-    r = std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::fixed);
-    os.write(buf, r.ptr - buf);
-    if (!std::memchr(buf, '.', r.ptr - buf)) os << ".0";
-    return;
-  }
-  os.write(buf, r.ptr - buf);
-}
-}  // namespace detail
 
 std::string shape_str(const TensorView& t) {
   std::string s = "[";

@@ -16,7 +16,7 @@ import torch
 import moegrad
 from _util_validation import assert_close_tol, gen, rand, randn, randperm, upstream  # noqa: F401
 from moegrad.ops._registry import OPS, _op
-from test_autograd import _fin_inputs, finalize_ref
+from test_autograd import FIN_CFGS, _fin_inputs, finalize_ref
 
 F32, F64, I32 = torch.float32, torch.float64, torch.int32
 ERR_NO_KERNEL = 561003
@@ -137,20 +137,7 @@ def test_swiglu_double_backward_refused(gen, quant):
 
 # ------------------------------------------------------------------------------ finalize ----
 
-@pytest.mark.parametrize("cfg", [
-    pytest.param(dict(mode=0, K=3, scales=True, bias=True, x1=True, x2=True), id="m0-K3-all"),
-    pytest.param(dict(mode=0, K=2, scales=False, bias=False, x1=True, x2=False),
-                 id="m0-K2-ones-scales"),
-    pytest.param(dict(mode=0, K=1, scales=False, bias=False, x1=False, x2=False),
-                 id="m0-K1-noscales"),
-    pytest.param(dict(mode=0, K=2, scales=True, bias=True, x1=False, x2=False, trunc=5),
-                 id="m0-truncated"),
-    pytest.param(dict(mode=1, K=2, scales=True, bias=True, x1=True, x2=True), id="m1-K2-all"),
-    pytest.param(dict(mode=1, K=3, scales=False, bias=True, x1=False, x2=False),
-                 id="m1-K3-ones-scales-bias"),
-    pytest.param(dict(mode=2, K=3, scales=True, bias=True, x1=True, x2=False), id="m2-K3-all"),
-    pytest.param(dict(mode=3, K=2, scales=True, bias=True, x1=True, x2=True), id="m3-K2-all"),
-])
+@pytest.mark.parametrize("cfg", FIN_CFGS)  # every mode and optional-input case
 def test_finalize_double_backward(gen, cfg):
     """Through moe_finalize_routing_grad and moe_finalize_routing_bias_grad: second-order
     gradients w.r.t. expanded_x, scales, bias and the upstream gradient."""
