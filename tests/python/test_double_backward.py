@@ -197,15 +197,17 @@ def test_finalize_bias_grad_double_backward(gen, with_scales):
     pytest.param(dict(expert_num=4, active_expert_range=[1, 3]), id="window"),
     pytest.param(dict(drop_pad_mode=1, expert_num=4, expert_capacity=2), id="drop-pad"),
 ])
-def test_init_routing_double_backward(gen, kw):
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_init_routing_double_backward(gen, kw, dtype):
     """moe_init_routing_grad is linear: the second-order gradient w.r.t. the upstream gradient
-    is the scatter of the seed (float64 autograd of the copy formula); w.r.t. x it is zero."""
+    is the scatter of the seed (float64 autograd of the copy formula, exact in every dtype);
+    w.r.t. x it is zero."""
     R, K, H, E = 6, 3, 8, 4
-    x = randn(gen, R, H).requires_grad_()
+    x = randn(gen, R, H, dtype=dtype).requires_grad_()
     eid = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(R)]).to(I32)
     ex, idx, _ = moegrad.moe_init_routing(x, eid, **kw)
-    up = upstream(gen, *ex.shape).requires_grad_()
-    seed = upstream(gen, R, H)
+    up = upstream(gen, *ex.shape, dtype=dtype).requires_grad_()
+    seed = upstream(gen, R, H, dtype=dtype)
     _, got = _second_order(ex, [x], up, [seed], [up, x])
 
     x64, up64 = x.detach().double().requires_grad_(), up.detach().double().requires_grad_()
@@ -215,9 +217,8 @@ def test_init_routing_double_backward(gen, kw):
     slots = valid.nonzero().squeeze(1)
     ref = torch.zeros(rows, H, dtype=F64).index_add(0, d[slots], x64[slots // K])
     _, want = _second_order(ref.reshape(ex.shape), [x64], up64, [seed.double()], [up64, x64])
-    assert want[1] is None
-    _check(got, want, ["d_upstream", "d_x"], n_reduce=1)
-    assert torch.equal(got[0], want[0].float())  # copies: exact
+    assert want[1] is None and (got[1] is None or not got[1].any())
+    assert got[0].dtype == dtype and torch.equal(got[0].double(), want[0])  # copies: exact
 
 
 # --------------------------------------------------------------------------- grouped_mm ----
