@@ -11,7 +11,22 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from .._errors import ERR_FINALIZE_ROUTING, MoeError
+from .init_routing import ROW_LAYOUT_TAG
 from ._registry import _args, _contig, _dl, _dlo, _execute, _needs, _op, _same_device
+
+
+def _refuse_row_layout(idx, x1, scales, expert_idx, drop_pad_mode, k):
+    """Modes 0/1 read slot k*R + r; moe_init_routing's index holds slot r*K + k. The two agree
+    only when R == 1 or K == 1."""
+    first = next((t for t in (scales, expert_idx, x1) if t is not None), None)
+    rows = first.shape[0] if first is not None and first.dim() > 0 else idx.numel() // max(k, 1)
+    choices = idx.numel() // rows if rows > 0 else 0
+    if rows > 1 and choices > 1:
+        raise MoeError(
+            "moe_finalize_routing: drop_pad_mode: must be 2 (dropless) or 3 (drop/pad) for the "
+            "expanded_row_idx of moe_init_routing, which is in row layout (slot r*K + k; modes "
+            f"0 and 1 read slot k*R + r); got {drop_pad_mode}", ERR_FINALIZE_ROUTING)
 
 
 @_op("moegrad::moe_finalize_routing")
@@ -29,8 +44,13 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     R = scales/expert_idx/x1 rows, else len(expanded_row_idx) // k. Returns (R, H) in
     expanded_x's dtype. Differentiable in every mode w.r.t. expanded_x, scales, x1, x2 (their
     gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
-    Errors: MoeError 161001/161002, 561103 (shapes, index values).
+    An expanded_row_idx straight from moe_init_routing (row layout) is refused in modes 0/1
+    when R > 1 and K > 1, where the column reading would combine the wrong rows (eager calls;
+    docs/decisions.md L171; moegrad.moe_unpermute picks the mode itself).
+    Errors: MoeError 161001/161002, 561103 (shapes, index values, that layout mismatch).
     """
+    if drop_pad_mode in (0, 1) and getattr(expanded_row_idx, ROW_LAYOUT_TAG, False):
+        _refuse_row_layout(expanded_row_idx, x1, scales, expert_idx, drop_pad_mode, k)
     expanded_x, idx = expanded_x.contiguous(), expanded_row_idx.contiguous()
     eidx = _contig(expert_idx)
     x1, x2, bias, scales = _contig(x1), _contig(x2), _contig(bias), _contig(scales)

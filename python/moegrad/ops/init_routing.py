@@ -17,6 +17,10 @@ from .._errors import ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError
 from ._registry import _args, _dl, _execute, _op, _same_device
 
 
+# Attribute set on the src->dst index moe_init_routing returns (row layout, slot r*K + k).
+ROW_LAYOUT_TAG = "_moegrad_row_layout"
+
+
 def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag):
     """(has_range, start, end, flag): counts need E; without E and window they are off (L33)."""
     if active_expert_range is not None and len(active_expert_range) > 0:
@@ -151,7 +155,9 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
     2 key-value ([expert_num, 2] rows (id, count), then zeros); [0] when the flag is off or
     expert_num is 0 without a window. Drop/pad counts are before capacity.
     Differentiable w.r.t. x (via moe_init_routing_grad). Feed expanded_row_idx to
-    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad).
+    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad); modes 0/1 refuse it
+    when R > 1 and K > 1 (docs/decisions.md L171). moegrad.moe_permute / moe_unpermute pair
+    the two for you (docs/layer.md "Permute and unpermute").
     Errors: MoeError 161001/161002, 561103 (shapes, attributes, expert ids).
     """
     rng = None
@@ -161,9 +167,14 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
         except TypeError:
             raise MoeError("moe_init_routing: active_expert_range: must hold integers; got "
                            f"{active_expert_range!r}", ERR_PARAM_INVALID) from None
-    return _moe_init_routing(x, expert_idx, active_num, expert_capacity, expert_num,
-                             drop_pad_mode, expert_tokens_num_type, expert_tokens_num_flag, rng,
-                             row_idx_type)
+    out = _moe_init_routing(x, expert_idx, active_num, expert_capacity, expert_num,
+                            drop_pad_mode, expert_tokens_num_type, expert_tokens_num_flag, rng,
+                            row_idx_type)
+    if row_idx_type == 0 and not torch.compiler.is_compiling():
+        # Marks the index as row layout so that moe_finalize_routing can refuse it in the
+        # column-layout modes 0/1 (docs/decisions.md L171); eager only, lost on copies.
+        setattr(out[1], ROW_LAYOUT_TAG, True)
+    return out
 
 
 # ---- double backward (L152): moe_init_routing_grad is linear in grad_expanded_x, a gather-sum
