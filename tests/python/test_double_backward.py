@@ -246,3 +246,28 @@ def test_grouped_mm_double_backward(gen):
     _, want = _second_order(torch.cat(parts), [x64, w64], gy64, [s.double() for s in seeds],
                             [x64, w64, gy64])
     _check(got, want, ["d_x", "d_w", "d_gy"], n_reduce=A + B)
+
+
+# ------------------------------------------------------------------- permute / unpermute ----
+
+@pytest.mark.parametrize("capacity", [0, 2], ids=["dropless", "capacity"])
+def test_permute_pair_double_backward(gen, capacity):
+    """moe_permute -> tanh -> moe_unpermute: second-order gradients through
+    moe_init_routing_grad and moe_finalize_routing_grad together, against float64 autograd of
+    y[r] = sum_k kept[r,k] * scales[r,k] * tanh(x[r])."""
+    R, K, H, E = 6, 2, 8, 4
+    x = randn(gen, R, H).requires_grad_()
+    scales = rand(gen, R, K, lo=0.1, hi=1.0).requires_grad_()
+    eid = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(R)]).to(I32)
+    ex, state = moegrad.moe_permute(x, eid, E, capacity=capacity)
+    y = moegrad.moe_unpermute(torch.tanh(ex), state, scales)
+    gy = upstream(gen, R, H).requires_grad_()
+    seeds = [upstream(gen, R, H), upstream(gen, R, K)]
+    _, got = _second_order(y, [x, scales], gy, seeds, [x, scales, gy])
+
+    kept = (state.expanded_row_idx.reshape(R, K) >= 0).double()
+    x64, s64, gy64 = _d64(x), _d64(scales), _d64(gy)
+    ref = (kept * s64).sum(1, keepdim=True) * torch.tanh(x64)
+    _, want = _second_order(ref, [x64, s64], gy64, [s.double() for s in seeds],
+                            [x64, s64, gy64])
+    _check(got, want, ["d_x", "d_scales", "d_gy"], n_reduce=H + K)
