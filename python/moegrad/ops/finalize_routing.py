@@ -150,12 +150,6 @@ def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
                                    scales: Optional[Tensor], expert_num: int) -> Tensor:
     """Gradient of finalize routing's bias (D23, L22): per expert, the sum of scale * grad_y
     over the slots using it, dropped slots included. Internal op of the autograd."""
-    if grad_y.is_cuda:
-        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
-        # not capturable in a CUDA graph; docs/cuda.md) ----
-        to_cpu = (lambda t: None if t is None else t.cpu())  # noqa: E731
-        return moe_finalize_routing_bias_grad(grad_y.cpu(), to_cpu(expert_idx), to_cpu(scales),
-                                              expert_num).to(grad_y.device)
     grad_y, eidx, scales = grad_y.contiguous(), expert_idx.contiguous(), _contig(scales)
     planned = _C.plan_moe_finalize_routing_bias_grad(_dl(grad_y), _dl(eidx), _dlo(scales),
                                                      expert_num)

@@ -42,13 +42,6 @@ def _moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
     """The registered schema of moe_init_routing (torch.ops.moegrad.moe_init_routing): every
     argument positional, active_expert_range a list. Public function: moe_init_routing.
     """
-    if x.is_cuda:
-        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
-        # not capturable in a CUDA graph; docs/cuda.md) ----
-        outs = _moe_init_routing(x.cpu(), expert_idx.cpu(), active_num, expert_capacity,
-                                 expert_num, drop_pad_mode, expert_tokens_num_type,
-                                 expert_tokens_num_flag, active_expert_range, row_idx_type)
-        return tuple(t.to(x.device) for t in outs)
     x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
@@ -90,10 +83,6 @@ def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top
     grad_x [R, H]: per token the fp32 sum, in k order, of its rows; -1 and rows >= rows are
     skipped. Errors: MoeError 161001/161002, 561103.
     """
-    if grad_expanded_x.is_cuda:
-        # ---- CUDA backend: no CUDA kernel yet; computed on the CPU (docs/cuda.md) ----
-        return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
-                                     drop_pad_mode, active_num).to(grad_expanded_x.device)
     g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
     (gx,) = _execute(
         _C.plan_moe_init_routing_grad(_dl(g), _dl(idx), top_k, drop_pad_mode, active_num), g)

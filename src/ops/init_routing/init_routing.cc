@@ -271,9 +271,12 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
 }
 
 namespace {
-const KernelTable<InitRoutingPlan> kForward = {{init_routing_cpu_size, init_routing_cpu}, {}};
-const KernelTable<InitRoutingGradPlan> kGrad = {{init_routing_grad_cpu_size,
-                                                 init_routing_grad_cpu}, {}};
+const KernelTable<InitRoutingPlan> kForward = {
+    {init_routing_cpu_size, init_routing_cpu},
+    MOEGRAD_CUDA_ENTRY(init_routing_cuda_size, init_routing_cuda)};
+const KernelTable<InitRoutingGradPlan> kGrad = {
+    {init_routing_grad_cpu_size, init_routing_grad_cpu},
+    MOEGRAD_CUDA_ENTRY(init_routing_grad_cuda_size, init_routing_grad_cuda)};
 }  // namespace
 
 ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
