@@ -289,8 +289,9 @@ def test_double_backward_raises_naming_the_op(rng):
     x = make_x((4, 8), torch.float64, rng).float().requires_grad_(True)
     y = moegrad.clipped_swiglu(x)
     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
-    with pytest.raises(moegrad.MoeError, match="clipped_swiglu_grad: double backward"):
+    with pytest.raises(moegrad.MoeError, match="clipped_swiglu_grad: double backward") as e:
         g.sum().backward()
+    assert e.value.code == 561003
 
 
 def test_reexported():

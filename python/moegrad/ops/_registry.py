@@ -146,9 +146,15 @@ class _Op:
         self._grad_kind = "formula"
 
     # The Autograd kernel's two callbacks (registered once, in __init__).
-    def _autograd_setup(self, ctx, inputs, output):
-        if self._setup_context_fn is not None:
+    def _autograd_setup(self, ctx, inputs, output, keyword_only_inputs=None):
+        # torch passes keyword_only_inputs to ops with keyword-only arguments only; their
+        # formulas take setup_context(ctx, inputs, keyword_only_inputs, output).
+        if self._setup_context_fn is None:
+            return
+        if keyword_only_inputs is None:
             self._setup_context_fn(ctx, inputs, output)
+        else:
+            self._setup_context_fn(ctx, inputs, keyword_only_inputs, output)
 
     def _autograd_backward(self, ctx, *grads):
         if self._backward_fn is not None:

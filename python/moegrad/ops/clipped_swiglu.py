@@ -56,7 +56,9 @@ def _(x, group_index=None, *, dim=-1, alpha=1.702, limit=7.0, bias=1.0, interlea
     return x.new_empty(_halved("clipped_swiglu", x, dim))
 
 
-@_op("moegrad::clipped_swiglu_grad")
+@_op("moegrad::clipped_swiglu_grad", no_double_backward=(
+    "the second derivative of the clipped SwiGLU (w.r.t. x) is not implemented; for "
+    "second-order gradients differentiate a PyTorch formula of clipped_swiglu"))
 def clipped_swiglu_grad(grad_y: Tensor, x: Tensor, group_index: Optional[Tensor] = None, *,
                         dim: int = -1, alpha: float = 1.702, limit: float = 7.0,
                         bias: float = 1.0, interleaved: bool = True,
@@ -99,16 +101,3 @@ def _backward(ctx, grad_y):
 
 
 clipped_swiglu.register_autograd(_backward, setup_context=_setup)
-
-
-def _grad_setup(ctx, inputs, keyword_only_inputs, output):
-    pass
-
-
-def _grad_backward(ctx, grad_grad_x):
-    raise MoeError("clipped_swiglu_grad: double backward is not supported (the backward of "
-                   "clipped_swiglu is not differentiable); use first-order gradients only",
-                   ERR_PARAM_INVALID)
-
-
-clipped_swiglu_grad.register_autograd(_grad_backward, setup_context=_grad_setup)
