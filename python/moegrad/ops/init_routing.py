@@ -33,70 +33,82 @@ def _moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
                       expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
                       expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
                       active_expert_range: Optional[List[int]] = None,
-                      row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+                      row_idx_type: int = 0,
+                      align_block: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The registered schema of moe_init_routing (torch.ops.moegrad.moe_init_routing): every
-    argument positional, active_expert_range a list. Public function: moe_init_routing.
+    argument positional, active_expert_range a list; a fourth output, padded_offsets ([0]
+    unless align_block > 1). Public function: moe_init_routing.
     """
     if x.is_cuda:
         # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
         # not capturable in a CUDA graph; docs/cuda.md) ----
         outs = _moe_init_routing(x.cpu(), expert_idx.cpu(), active_num, expert_capacity,
                                  expert_num, drop_pad_mode, expert_tokens_num_type,
-                                 expert_tokens_num_flag, active_expert_range, row_idx_type)
+                                 expert_tokens_num_flag, active_expert_range, row_idx_type,
+                                 align_block)
         return tuple(t.to(x.device) for t in outs)
     x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
     attrs = (active_num, expert_capacity, expert_num, drop_pad_mode, expert_tokens_num_type,
-             flag, has_range, start, end, row_idx_type)
-    ex, idx, tokens = _execute(_C.plan_moe_init_routing(_dl(x), _dl(eidx), *attrs), x)
-    return ex, idx, tokens
+             flag, has_range, start, end, row_idx_type, align_block)
+    ex, idx, tokens, offsets = _execute(_C.plan_moe_init_routing(_dl(x), _dl(eidx), *attrs), x)
+    return ex, idx, tokens, offsets
 
 
 @_moe_init_routing.register_fake
 def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
       expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=None,
-      row_idx_type=0):
+      row_idx_type=0, align_block=0):
     _same_device("moe_init_routing", ("x", x), ("expert_idx", expert_idx))
     r, h = x.shape[0], x.shape[1]
     n = r * expert_idx.shape[1]
-    if drop_pad_mode == 1:
-        ex = x.new_empty((expert_num, expert_capacity, h))
-    else:
-        ex = x.new_empty((min(active_num, n) if active_num > 0 else n, h))
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
+    bins = (end - start) if has_range else expert_num
+    if drop_pad_mode == 1:
+        ex = x.new_empty((expert_num, expert_capacity, h))
+    elif align_block > 1:
+        ex = x.new_empty((n + bins * (align_block - 1), h))
+    else:
+        ex = x.new_empty((min(active_num, n) if active_num > 0 else n, h))
     if not flag:
         tshape = (0,)
     elif expert_tokens_num_type == 2:
         tshape = (expert_num, 2)
     else:
         tshape = ((end - start) if has_range else expert_num,)
-    return ex, x.new_empty((n,), dtype=torch.int32), x.new_empty(tshape, dtype=torch.int64)
+    offsets = x.new_empty((bins + 1 if align_block > 1 else 0,), dtype=torch.int64)
+    return (ex, x.new_empty((n,), dtype=torch.int32), x.new_empty(tshape, dtype=torch.int64),
+            offsets)
 
 
 @_op("moegrad::moe_init_routing_grad")
 def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top_k: int,
-                          drop_pad_mode: int = 0, active_num: int = 0) -> Tensor:
+                          drop_pad_mode: int = 0, active_num: int = 0,
+                          padded_rows: int = 0) -> Tensor:
     """Backward of moe_init_routing (MoeInitRoutingV2Grad, docs/operators.md §8.9, D29).
 
     grad_expanded_x: [rows, H] (mode 0; rows = R*K, or min(active_num, R*K) when
     active_num > 0) or [E, C, H] (mode 1); expanded_row_idx: [R*K] int32 src->dst. Returns
     grad_x [R, H]: per token the fp32 sum, in k order, of its rows; -1 and rows >= rows are
-    skipped. Errors: MoeError 161001/161002, 561103.
+    skipped. padded_rows > 0 (mode 0, active_num 0): grad_expanded_x is the aligned layout of
+    moe_init_routing(align_block=m) with that many rows (D36, docs/operators.md §8.13).
+    Errors: MoeError 161001/161002, 561103.
     """
     if grad_expanded_x.is_cuda:
         # ---- CUDA backend: no CUDA kernel yet; computed on the CPU (docs/cuda.md) ----
         return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
-                                     drop_pad_mode, active_num).to(grad_expanded_x.device)
+                                     drop_pad_mode, active_num,
+                                     padded_rows).to(grad_expanded_x.device)
     g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
-    (gx,) = _execute(
-        _C.plan_moe_init_routing_grad(_dl(g), _dl(idx), top_k, drop_pad_mode, active_num), g)
+    (gx,) = _execute(_C.plan_moe_init_routing_grad(_dl(g), _dl(idx), top_k, drop_pad_mode,
+                                                   active_num, padded_rows), g)
     return gx
 
 
 @moe_init_routing_grad.register_fake
-def _(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0):
+def _(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0, padded_rows=0):
     _same_device("moe_init_routing_grad", ("grad_expanded_x", grad_expanded_x),
                  ("expanded_row_idx", expanded_row_idx))
     return grad_expanded_x.new_empty((expanded_row_idx.shape[0] // top_k,
@@ -105,8 +117,9 @@ def _(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, active_num=0):
 
 def _init_routing_setup(ctx, inputs, output):
     (x, expert_idx, active_num, _cap, _e, drop_pad_mode, _tt, _tf, _rng,
-     row_idx_type) = _args(inputs, (None, None, 0, 0, 0, 0, 1, True, None, 0))
-    _ex, idx, _tok = output
+     row_idx_type, align_block) = _args(inputs, (None, None, 0, 0, 0, 0, 1, True, None, 0, 0))
+    ex, idx, _tok, _off = output
+    ctx.padded_rows = ex.shape[0] if align_block > 1 else 0
     ctx.k = expert_idx.shape[1]
     ctx.mode = drop_pad_mode
     ctx.active_num = max(int(active_num), 0)
@@ -114,15 +127,15 @@ def _init_routing_setup(ctx, inputs, output):
     ctx.save_for_backward(idx)
 
 
-def _init_routing_backward(ctx, grad_ex, _grad_idx, _grad_tok):
+def _init_routing_backward(ctx, grad_ex, _grad_idx, _grad_tok, _grad_off):
     if ctx.row_idx_type != 0:
         raise NotImplementedError(
             "moegrad.moe_init_routing: backward needs row_idx_type=0 (the src->dst index); "
             f"got row_idx_type={ctx.row_idx_type} (decisions.md D25)")
     (idx,) = ctx.saved_tensors
     gx = moe_init_routing_grad(grad_ex, idx, ctx.k, ctx.mode,
-                               ctx.active_num if ctx.mode == 0 else 0)
-    return (gx,) + (None,) * 9
+                               ctx.active_num if ctx.mode == 0 else 0, ctx.padded_rows)
+    return (gx,) + (None,) * 10
 
 
 _moe_init_routing.register_autograd(_init_routing_backward, setup_context=_init_routing_setup)
@@ -132,7 +145,7 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
                      expert_capacity: int = 0, expert_num: int = 0, drop_pad_mode: int = 0,
                      expert_tokens_num_type: int = 1, expert_tokens_num_flag: bool = True,
                      active_expert_range: Optional[Sequence[int]] = None,
-                     row_idx_type: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+                     row_idx_type: int = 0, align_block: int = 0) -> Tuple[Tensor, ...]:
     """Token permutation: group token rows by expert (MoeInitRoutingV2/V3, docs/operators.md §8).
 
     x: [R, H] float32/float16/bfloat16; expert_idx: [R, K] int32 (int64 accepted). The R*K
@@ -149,11 +162,21 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
     Counts (int64): expert_tokens_num_type 0 cumsum, 1 count ([end - start], or [expert_num]),
     2 key-value ([expert_num, 2] rows (id, count), then zeros); [0] when the flag is off or
     expert_num is 0 without a window. Drop/pad counts are before capacity.
+    align_block m > 1 (D36, docs/operators.md §8.13; dropless, active_num 0, row_idx_type 0,
+    expert_num > 0): each expert's block starts at a multiple of m and is padded with zero rows
+    to a multiple of m; expanded_x has R*K + bins*(m - 1) rows (bins = experts of the window),
+    the index points into that layout, the counts stay the real ones, and a fourth output is
+    returned: padded_offsets [bins + 1] int64, block b = rows [offsets[b], offsets[b + 1]).
+    Pass padded=True to moe_finalize_routing for this layout.
     Differentiable w.r.t. x (via moe_init_routing_grad). Feed expanded_row_idx to
     moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad).
+    Returns (expanded_x, expanded_row_idx, counts), plus padded_offsets when align_block > 1.
     Errors: MoeError 161001/161002, 561103 (shapes, attributes, expert ids).
     """
     rng = None if active_expert_range is None else [int(v) for v in active_expert_range]
-    return _moe_init_routing(x, expert_idx, active_num, expert_capacity, expert_num,
-                             drop_pad_mode, expert_tokens_num_type, expert_tokens_num_flag, rng,
-                             row_idx_type)
+    ex, idx, tokens, offsets = _moe_init_routing(
+        x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
+        expert_tokens_num_type, expert_tokens_num_flag, rng, row_idx_type, align_block)
+    if align_block > 1:
+        return ex, idx, tokens, offsets
+    return ex, idx, tokens
