@@ -15,19 +15,15 @@ import torch.distributed as dist
 import moegrad  # noqa: F401
 from moegrad.nn import MoE, RoutingReplay, all_reduce_non_expert_grads
 
+from _ep_worker import rank_layer  # the script's folder is on sys.path
+
 
 def main():
     rank, world, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=rank,
                             world_size=world)
     c = torch.load(f"{d}/case.pt")
-    m = MoE(*c["args"], ep_group=dist.group.WORLD)
-    El = m.num_local_experts
-    sd = dict(c["state"])
-    for n in ("w_up", "w_down"):
-        sd[n] = sd[n][rank * El:(rank + 1) * El]
-    m.load_state_dict(sd)
-    lo, hi = c["splits"][rank], c["splits"][rank + 1]
+    m, lo, hi = rank_layer(c, rank)
     x = c["x"][lo:hi].clone().requires_grad_(True)
     rr = RoutingReplay(m)
     with rr.replay([c["ids"][lo:hi]]):

@@ -330,6 +330,30 @@ __global__ void gating_bwd_kernel(BwdParams p) {
 }
 
 
+// The expert_idx input of the backward and the replay (both read [M, K] ids in [0, N)): stage
+// one reserves its int32 copy and, in strict mode (L46), the check's scratch; stage two narrows
+// it and runs the check.
+template <class Plan>
+void size_expert_idx(Plan& plan, WorkspaceLayout& layout) {
+  plan.ws_idx = index_scratch(layout, plan.expert_idx);
+  plan.strict_indices = strict_indices();
+  if (plan.strict_indices) {
+    plan.ws_strict =
+        layout.add<unsigned char>(static_cast<int64_t>(strict_ws_bytes(plan.N, false)));
+  }
+}
+
+template <class Plan>
+const int32_t* expert_idx32(const Plan& plan, const Workspace& ws, cudaStream_t s) {
+  const int32_t* idx =
+      device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_idx), s);
+  if (plan.strict_indices) {
+    strict_check(plan.op, kErrParamInvalid, "expert_idx", idx, plan.M * plan.K, 0, plan.N, false,
+                 ws.get<unsigned char>(plan.ws_strict), s);
+  }
+  return idx;
+}
+
 constexpr int kSmemBudget = 32 * 1024;  // per block, below the 48 KiB default limit
 
 int warps_for(int bytes_per_warp) {
@@ -380,12 +404,7 @@ void gating_top_k_cuda(const GatingTopKPlan& plan, const Workspace&, void* strea
 }
 
 void gating_top_k_backward_cuda_size(GatingTopKBackwardPlan& plan, WorkspaceLayout& layout) {
-  plan.ws_idx = index_scratch(layout, plan.expert_idx);
-  plan.strict_indices = strict_indices();
-  if (plan.strict_indices) {
-    plan.ws_strict = layout.add<unsigned char>(
-        static_cast<int64_t>(cuda::strict_ws_bytes(plan.N, false)));
-  }
+  cuda::size_expert_idx(plan, layout);
 }
 
 void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Workspace& ws,
@@ -394,12 +413,7 @@ void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Worksp
   if (plan.M == 0) return;
   set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int32_t* idx =
-      device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_idx), s);
-  if (plan.strict_indices) {
-    strict_check(plan.op, kErrParamInvalid, "expert_idx", idx, plan.M * plan.K, 0, plan.N, false,
-                 ws.get<unsigned char>(plan.ws_strict), s);
-  }
+  const int32_t* idx = expert_idx32(plan, ws, s);
   BwdParams p;
   p.x_norm = static_cast<const float*>(plan.x_norm.data);
   p.grad_y = plan.grad_y.data;
@@ -423,12 +437,7 @@ void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Worksp
 }
 
 void gating_replay_cuda_size(GatingReplayPlan& plan, WorkspaceLayout& layout) {
-  plan.ws_idx = index_scratch(layout, plan.expert_idx);
-  plan.strict_indices = strict_indices();
-  if (plan.strict_indices) {
-    plan.ws_strict = layout.add<unsigned char>(
-        static_cast<int64_t>(cuda::strict_ws_bytes(plan.N, false)));
-  }
+  cuda::size_expert_idx(plan, layout);
 }
 
 void gating_replay_cuda(const GatingReplayPlan& plan, const Workspace& ws, void* stream) {
@@ -436,12 +445,7 @@ void gating_replay_cuda(const GatingReplayPlan& plan, const Workspace& ws, void*
   if (plan.M == 0) return;
   set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int32_t* idx =
-      device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_idx), s);
-  if (plan.strict_indices) {
-    strict_check(plan.op, kErrParamInvalid, "expert_idx", idx, plan.M * plan.K, 0, plan.N, false,
-                 ws.get<unsigned char>(plan.ws_strict), s);
-  }
+  const int32_t* idx = expert_idx32(plan, ws, s);
   const GatingReplayAttrs& a = plan.attrs;
   ReplayParams p;
   p.x = plan.x.data;
