@@ -377,19 +377,18 @@ class MoE(nn.Module):
                              f"its last dim; got {list(mask.shape)}")
         return (mask.reshape(-1) != 0).nonzero().squeeze(1)
 
-    def _seq_aux_loss(self, scores: Tensor, idx: Tensor, seq: Tensor, n_seq: int) -> Tensor:
-        """DeepSeek-V3's sequence-wise balance loss (D35): per sequence b with S_b routed tokens,
-        coef * sum_e f_be * P_be, f_be = E / (K * S_b) * (selections of e in b), P_be = mean of
-        the normalised scores over b; averaged over the sequences with a routed token."""
+    def _seq_aux_loss(self, p: Tensor, idx: Tensor, seq: Tensor, n_seq: int) -> Tensor:
+        """DeepSeek-V3's sequence-wise balance loss (D35) from the normalised scores p [T, E]:
+        per sequence b with S_b routed tokens, coef * sum_e f_be * P_be, f_be = E / (K * S_b) *
+        (selections of e in b), P_be = mean of p over b; averaged over the sequences with a
+        routed token."""
         E, K = self.num_experts, self.top_k
-        p = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
-        ones = torch.ones_like(seq, dtype=p.dtype)
-        tokens = p.new_zeros(n_seq).index_add(0, seq, ones)
-        P = p.new_zeros((n_seq, E)).index_add(0, seq, p)
         slots = (seq.unsqueeze(1) * E + idx.long()).reshape(-1)
-        cnt = p.new_zeros(n_seq * E).index_add(0, slots, ones.repeat_interleave(K)).view(n_seq, E)
-        s = tokens.clamp_min(1.0).unsqueeze(1)
-        per_seq = (cnt * (E / K) / s * (P / s)).sum(-1)
+        cnt = p.new_zeros(n_seq * E).index_add(0, slots, p.new_ones(slots.shape)).view(n_seq, E)
+        P = p.new_zeros((n_seq, E)).index_add(0, seq, p)
+        tokens = cnt.sum(1, keepdim=True) / K            # every routed token made K selections
+        s2 = tokens.clamp_min(1.0).square()
+        per_seq = (cnt * P).sum(-1, keepdim=True) * (E / K) / s2
         used = (tokens > 0).to(p.dtype)
         return self.seq_aux_loss_coef * (per_seq * used).sum() / used.sum().clamp_min(1.0)
 
@@ -460,11 +459,11 @@ class MoE(nn.Module):
             if self.training:
                 with torch.no_grad():
                     self.tokens_per_expert += counts.float()
-        if scores is not None and self.aux_loss_coef > 0:
-            self.aux_loss = self._switch_loss(scores, counts, T)
-        else:
-            self.aux_loss = None
-        self.seq_aux_loss = (self._seq_aux_loss(scores, idx, seq, int(shape[0]) if len(shape) == 3
+        # Scores normalised to sum 1 per token: the P of both score-based losses.
+        p = None if scores is None else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+        self.aux_loss = self._switch_loss(p, counts, T) if p is not None and \
+            self.aux_loss_coef > 0 else None
+        self.seq_aux_loss = (self._seq_aux_loss(p, idx, seq, int(shape[0]) if len(shape) == 3
                                                 else 1) if seq is not None else None)
         y = _mg.moe_finalize_routing(out_rows, row_idx, x1=self._shared(x), scales=weights,
                                  drop_pad_mode=mode, k=K)
@@ -472,12 +471,12 @@ class MoE(nn.Module):
             y = y.new_zeros((x_all.shape[0], self.hidden)).index_copy(0, rows, y)
         return y.reshape(shape)
 
-    def _switch_loss(self, scores: Tensor, counts: Tensor, T: int) -> Tensor:
+    def _switch_loss(self, p: Tensor, counts: Tensor, T: int) -> Tensor:
         """Switch: coef * E * sum_e f_e * P_e (f: fraction of the T*K slots routed to e, no
         gradient; P: mean over tokens of the normalised score). With ep_group both are over the
         tokens of every rank (L88), so the value equals the single-process one on each rank."""
         E, K = self.num_experts, self.top_k
-        p_sum = (scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)).sum(0)
+        p_sum = p.sum(0)
         load = torch.cat([counts.to(torch.float64), counts.new_full((1,), T).to(torch.float64)])
         if self.aux_loss_group is not None:
             # Global-batch variant (D35): f over every token of the group, P of this rank's.
