@@ -78,7 +78,8 @@ def _time(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
 
 def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[str, float]:
     """Step time of the layer with the Switch, sequence-wise and z-loss on (their sum added to
-    the loss) over the step with all three off; steps alternate, so load drifts hit both alike.
+    the loss) over the step with all three off; steps alternate (in both orders), so load
+    drifts hit both alike.
     x is viewed as sequences of 256 tokens (the sequence-wise loss needs [B, S, H])."""
     S = 256 if x.shape[0] % 256 == 0 else x.shape[0]
     xs, gs = x.view(-1, S, x.shape[1]), g.view(-1, S, g.shape[1])
@@ -98,8 +99,8 @@ def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[st
     times = {False: [], True: []}
     for on in (False, True):
         step(on)                          # warm-up
-    for _ in range(reps):
-        for on in (False, True):
+    for r in range(reps):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):  # neither always first
             t0 = time.perf_counter()
             step(on)
             times[on].append(time.perf_counter() - t0)
