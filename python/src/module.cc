@@ -263,7 +263,15 @@ NB_MODULE(_C, m) {
 #else
   m.attr("cuda_built") = false;
 #endif
-  m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  // The C/C++ functions read n <= 0 as "the OpenMP default"; Python refuses a negative count,
+  // which is a mistake rather than a request (docs/decisions.md L173).
+  m.def("set_num_threads", [](int n) {
+    if (n < 0) {
+      throw Error(kErrParamInvalid,
+                  cat("set_num_threads: n: must be >= 0 (0: the OpenMP default); got ", n));
+    }
+    set_num_threads(n);
+  }, nb::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("_validation_count", &validation_count);
   // Huge-page advice for a large host tensor moegrad allocates outside a plan (the expert GEMM

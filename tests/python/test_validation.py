@@ -3,7 +3,7 @@ D4, D6, D9, D11, D13, D18, D19, D20; docs/decisions.md L3, L4, L6-L9).
 
 Each broken rule is its own case: the low-level ``moegrad._C.<op>`` is called with one rule
 broken and every output POISONED beforehand; the test asserts ``moegrad.MoeError`` with the exact
-status code, that the message names the offending argument (Python names of api.md), and that
+status code, that the message names the offending argument (the Python names of docs/operators.md §7.2), and that
 no tensor argument (output or input) changed by a single bit (D18: nothing written on failure).
 A subset goes through the public API to check that it raises the same code. Valid edge cases
 (zero rows, N = 1, clamp_limit = -1.0, the accepted index patterns, ...) must succeed and write

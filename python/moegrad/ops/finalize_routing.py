@@ -11,7 +11,22 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from .._errors import ERR_FINALIZE_ROUTING, MoeError
+from .init_routing import ROW_LAYOUT_TAG
 from ._registry import _args, _contig, _dl, _dlo, _execute, _needs, _op, _same_device
+
+
+def _refuse_row_layout(idx, x1, scales, expert_idx, drop_pad_mode, k):
+    """Modes 0/1 read slot k*R + r; moe_init_routing's index holds slot r*K + k. The two agree
+    only when R == 1 or K == 1."""
+    first = next((t for t in (scales, expert_idx, x1) if t is not None), None)
+    rows = first.shape[0] if first is not None and first.dim() > 0 else idx.numel() // max(k, 1)
+    choices = idx.numel() // rows if rows > 0 else 0
+    if rows > 1 and choices > 1:
+        raise MoeError(
+            "moe_finalize_routing: drop_pad_mode: must be 2 (dropless) or 3 (drop/pad) for the "
+            "expanded_row_idx of moe_init_routing, which is in row layout (slot r*K + k; modes "
+            f"0 and 1 read slot k*R + r); got {drop_pad_mode}", ERR_FINALIZE_ROUTING)
 
 
 @_op("moegrad::moe_finalize_routing")
@@ -31,8 +46,13 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
     padded=True (modes 0/2): expanded_x is the aligned layout of moe_init_routing(align_block)
     and may have more than R*K rows; padding rows are never read and get zero gradient (D36).
-    Errors: MoeError 161001/161002, 561103 (shapes, index values).
+    An expanded_row_idx straight from moe_init_routing (row layout) is refused in modes 0/1
+    when R > 1 and K > 1, where the column reading would combine the wrong rows (eager calls;
+    docs/decisions.md L171; moegrad.moe_unpermute picks the mode itself).
+    Errors: MoeError 161001/161002, 561103 (shapes, index values, that layout mismatch).
     """
+    if drop_pad_mode in (0, 1) and getattr(expanded_row_idx, ROW_LAYOUT_TAG, False):
+        _refuse_row_layout(expanded_row_idx, x1, scales, expert_idx, drop_pad_mode, k)
     expanded_x, idx = expanded_x.contiguous(), expanded_row_idx.contiguous()
     eidx = _contig(expert_idx)
     x1, x2, bias, scales = _contig(x1), _contig(x2), _contig(bias), _contig(scales)
@@ -138,12 +158,6 @@ def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
                                    scales: Optional[Tensor], expert_num: int) -> Tensor:
     """Gradient of finalize routing's bias (D23, L22): per expert, the sum of scale * grad_y
     over the slots using it, dropped slots included. Internal op of the autograd."""
-    if grad_y.is_cuda:
-        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
-        # not capturable in a CUDA graph; docs/cuda.md) ----
-        to_cpu = (lambda t: None if t is None else t.cpu())  # noqa: E731
-        return moe_finalize_routing_bias_grad(grad_y.cpu(), to_cpu(expert_idx), to_cpu(scales),
-                                              expert_num).to(grad_y.device)
     grad_y, eidx, scales = grad_y.contiguous(), expert_idx.contiguous(), _contig(scales)
     planned = _C.plan_moe_finalize_routing_bias_grad(_dl(grad_y), _dl(eidx), _dlo(scales),
                                                      expert_num)

@@ -16,6 +16,10 @@ from .._errors import ERR_FINALIZE_ROUTING, MoeError
 from ._registry import _args, _dl, _execute, _op, _same_device
 
 
+# Attribute set on the src->dst index moe_init_routing returns (row layout, slot r*K + k).
+ROW_LAYOUT_TAG = "_moegrad_row_layout"
+
+
 def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag):
     """(has_range, start, end, flag): counts need E; without E and window they are off (L33)."""
     if active_expert_range is not None and len(active_expert_range) > 0:
@@ -39,9 +43,9 @@ def _moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
     argument positional, active_expert_range a list; a fourth output, padded_offsets ([0]
     unless align_block > 1). Public function: moe_init_routing.
     """
-    if x.is_cuda:
-        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
-        # not capturable in a CUDA graph; docs/cuda.md) ----
+    if x.is_cuda and align_block > 1:
+        # ---- aligned blocks (D36) are computed on the CPU for CUDA tensors (synchronises, not
+        # capturable in a CUDA graph; docs/operators.md §8.13) ----
         outs = _moe_init_routing(x.cpu(), expert_idx.cpu(), active_num, expert_capacity,
                                  expert_num, drop_pad_mode, expert_tokens_num_type,
                                  expert_tokens_num_flag, active_expert_range, row_idx_type,
@@ -96,11 +100,6 @@ def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top
     moe_init_routing(align_block=m) with that many rows (D36, docs/operators.md §8.13).
     Errors: MoeError 161001/161002, 561103.
     """
-    if grad_expanded_x.is_cuda:
-        # ---- CUDA backend: no CUDA kernel yet; computed on the CPU (docs/cuda.md) ----
-        return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
-                                     drop_pad_mode, active_num,
-                                     padded_rows).to(grad_expanded_x.device)
     g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
     (gx,) = _execute(_C.plan_moe_init_routing_grad(_dl(g), _dl(idx), top_k, drop_pad_mode,
                                                    active_num, padded_rows), g)
@@ -169,14 +168,18 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
     returned: padded_offsets [bins + 1] int64, block b = rows [offsets[b], offsets[b + 1]).
     Pass padded=True to moe_finalize_routing for this layout.
     Differentiable w.r.t. x (via moe_init_routing_grad). Feed expanded_row_idx to
-    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad).
+    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad); modes 0/1 refuse it
+    when R > 1 and K > 1 (docs/decisions.md L171). moegrad.moe_permute / moe_unpermute pair
+    the two for you (docs/layer.md "Permute and unpermute").
     Returns (expanded_x, expanded_row_idx, counts), plus padded_offsets when align_block > 1.
     Errors: MoeError 161001/161002, 561103 (shapes, attributes, expert ids).
     """
     rng = None if active_expert_range is None else [int(v) for v in active_expert_range]
-    ex, idx, tokens, offsets = _moe_init_routing(
-        x, expert_idx, active_num, expert_capacity, expert_num, drop_pad_mode,
-        expert_tokens_num_type, expert_tokens_num_flag, rng, row_idx_type, align_block)
-    if align_block > 1:
-        return ex, idx, tokens, offsets
-    return ex, idx, tokens
+    out = _moe_init_routing(x, expert_idx, active_num, expert_capacity, expert_num,
+                            drop_pad_mode, expert_tokens_num_type, expert_tokens_num_flag, rng,
+                            row_idx_type, align_block)
+    if row_idx_type == 0 and not torch.compiler.is_compiling():
+        # Marks the index as row layout so that moe_finalize_routing can refuse it in the
+        # column-layout modes 0/1 (docs/decisions.md L171); eager only, lost on copies.
+        setattr(out[1], ROW_LAYOUT_TAG, True)
+    return out if align_block > 1 else out[:3]

@@ -64,6 +64,10 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
                                  {"expanded_row_idx", with_outputs ? idx : nullptr},
                                  {"expert_tokens_count_or_cumsum", tok},
                                  {"padded_offsets", off}});
+  // D36: the aligned layout has a CPU kernel only (the Python front computes it there).
+  v.check(!aligned || p.backend == Backend::kCPU, kErrParamInvalid, "align_block",
+          "aligned blocks (align_block > 1) are computed for host tensors only; got ",
+          a.align_block, " with tensors on ", backend_name(p.backend));
   v.contiguous(*x, "x");
   v.contiguous(*eidx, "expert_idx");
   if (with_outputs) {
@@ -310,9 +314,12 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
 }
 
 namespace {
-const KernelTable<InitRoutingPlan> kForward = {{init_routing_cpu_size, init_routing_cpu}, {}};
-const KernelTable<InitRoutingGradPlan> kGrad = {{init_routing_grad_cpu_size,
-                                                 init_routing_grad_cpu}, {}};
+const KernelTable<InitRoutingPlan> kForward = {
+    {init_routing_cpu_size, init_routing_cpu},
+    MOEGRAD_CUDA_ENTRY(init_routing_cuda_size, init_routing_cuda)};
+const KernelTable<InitRoutingGradPlan> kGrad = {
+    {init_routing_grad_cpu_size, init_routing_grad_cpu},
+    MOEGRAD_CUDA_ENTRY(init_routing_grad_cuda_size, init_routing_grad_cuda)};
 }  // namespace
 
 ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,

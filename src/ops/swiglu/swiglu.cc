@@ -1,5 +1,6 @@
 // Validation, shape inference and planning of the SwiGLU operators (§5.6, D9, D11).
 #include "ops/swiglu/swiglu.h"
+#include "ops/swiglu/swiglu_formula.h"
 
 #include <algorithm>
 #include <cmath>
@@ -60,10 +61,9 @@ int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, 
   // no int64 element count can overflow it), then clamped to [0, T], so garbage or huge counts
   // can neither overflow nor wrap around to a small or negative total (L8, L52).
   const int64_t* g = static_cast<const int64_t*>(group_index->data);
-  __int128 sum = 0;
+  swiglu_formula::Sum128 sum = 0;
   for (int64_t i = 0; i < group_index->numel(); ++i) sum += g[i];
-  if (sum <= 0) return 0;
-  return sum >= static_cast<__int128>(T) ? T : static_cast<int64_t>(sum);
+  return swiglu_formula::rows_of_sum(sum, T);
 }
 
 SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
@@ -339,8 +339,9 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
 }
 
 namespace {
-// No CUDA kernel yet: a CUDA tensor gets 161002 "no cuda kernel" in stage one (L24).
-const KernelTable<SwigluQuantPlan> kQuant = {{swiglu_quant_cpu_size, swiglu_quant_cpu}, {}};
+const KernelTable<SwigluQuantPlan> kQuant = {
+    {swiglu_quant_cpu_size, swiglu_quant_cpu},
+    MOEGRAD_CUDA_ENTRY(swiglu_quant_cuda_size, swiglu_quant_cuda)};
 }  // namespace
 
 ExecutorPtr plan_swiglu_group_quant(const TensorView* x, const TensorView* weight,
