@@ -527,8 +527,10 @@ NB_MODULE(_C, m) {
            int64_t dst_type, int64_t quant_mode, int64_t block_size, bool round_scale,
            double clamp_limit, double dst_type_max, bool output_origin) {
           Args a;
-          SwigluQuantAttrs at{dst_type,    quant_mode,   block_size,   round_scale,
-                              clamp_limit, dst_type_max, output_origin};
+          // dst_type as the Python caller gave it (vendor or torch codes): the validator
+          // translates it and reports it unchanged (L153).
+          SwigluQuantAttrs at{dst_type,    quant_mode,   block_size,    round_scale,
+                              clamp_limit, dst_type_max, output_origin, true};
           return planned(prepare_swiglu_group_quant(a(x), a(weight), a(group_index), a(scale), at));
         });
 

@@ -126,6 +126,37 @@ def _grouped_mm_bwd(ctx, grad):
 _grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
 
 
+# Double backward (L152): the backward is bilinear (grad_x_e = g_e w_e^T, grad_w_e = x_e^T g_e),
+# so its gradients are again grouped products, through the two ops above (higher orders follow).
+def _grouped_mm_backward_setup(ctx, inputs, output):
+    grad, x, w, counts, need_x, need_w = inputs
+    ctx.need = (need_x, need_w)
+    ctx.save_for_backward(grad, x, w, counts)
+
+
+def _grouped_mm_backward_bwd(ctx, grads):
+    v_gx, v_gw = grads  # the op returns a list: its gradients come as one
+    grad, x, w, counts = ctx.saved_tensors
+    need_x, need_w = ctx.need
+    v_gx = v_gx if need_x else None
+    v_gw = v_gw if need_w else None
+    want = ctx.needs_input_grad
+    d_grad = d_x = d_w = None
+    if want[0]:
+        parts = [_grouped_mm_op(v.contiguous(), m, counts)
+                 for v, m in ((v_gx, w), (x, v_gw)) if v is not None and m is not None]
+        d_grad = sum(parts[1:], parts[0]) if parts else None
+    if want[1] and v_gw is not None:
+        d_x = _grouped_mm_op(grad, v_gw.transpose(1, 2).contiguous(), counts)
+    if want[2] and v_gx is not None:
+        d_w = _grouped_mm_backward_op(grad, v_gx.contiguous(), w, counts, False, True)[1]
+    return d_grad, d_x, d_w, None, None, None
+
+
+_grouped_mm_backward_op.register_autograd(_grouped_mm_backward_bwd,
+                                          setup_context=_grouped_mm_backward_setup)
+
+
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor,
                host_counts: Optional[Tensor] = None) -> Tensor:
     """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B].

@@ -124,12 +124,12 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     v.check_shape(E > 0, "expert_num",
                   "must be > 0 with an active_expert_range; got ", E);
     v.check_shape(0 <= lo && lo < hi && hi <= E, "active_expert_range",
-                  "must be [start, end) with 0 <= start < end <= expert_num (", E, "); got [",
-                  lo, ", ", hi, ")");
+                  "[start, end] must satisfy 0 <= start < end <= expert_num (", E, "); got [",
+                  lo, ", ", hi, "]");
     if (mode == 1) {
       v.check_shape(lo == 0 && hi == E, "active_expert_range",
-                    "must cover all experts [0, ", E, ") in drop-pad mode; got [", lo, ", ",
-                    hi, ")");
+                    "must be [0, ", E, "] (all experts) in drop-pad mode; got [", lo, ", ",
+                    hi, "]");
     }
   }
 
