@@ -13,7 +13,8 @@ from ._errors import MoeError
 
 _C._set_error_class(MoeError)
 
-from .ops import (clipped_swiglu, clipped_swiglu_grad, moe_finalize_routing, moe_finalize_routing_grad,  # noqa: E402
+from .ops import (clipped_swiglu, clipped_swiglu_grad,  # noqa: E402
+                  moe_finalize_routing, moe_finalize_routing_grad, moe_gating_replay,
                   moe_gating_top_k, moe_gating_top_k_backward, moe_init_routing,
                   moe_init_routing_grad, swiglu_group, swiglu_group_quant,
                   swiglu_group_quant_backward)
@@ -25,6 +26,7 @@ __all__ = [
     "MoeError",
     "moe_gating_top_k",
     "moe_gating_top_k_backward",
+    "moe_gating_replay",
     "moe_finalize_routing",
     "moe_finalize_routing_grad",
     "swiglu_group",
