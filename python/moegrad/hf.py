@@ -46,7 +46,7 @@ __all__ = ["IMPLEMENTATION", "Report", "Entry", "apply", "revert", "experts_forw
 IMPLEMENTATION = "moegrad"  # the experts_implementation name registered on import
 
 # The argument of moe_gating_top_k that turns renormalisation off for sigmoid / sqrt-softplus
-# scores (decisions D33); routers that need it are left alone where this build lacks it.
+# scores; routers that need it are left alone where this build lacks it.
 _NO_RENORM = "no_renorm"
 
 
@@ -622,7 +622,8 @@ def small_config(arch: str, *, hidden: int = 32, intermediate: int = 16, experts
             moe_intermediate_size=intermediate, n_routed_experts=experts,
             mlp_layer_types=["hash_moe"] + ["moe"] * layers, q_lora_rank=hidden // 2,
             o_groups=heads, o_lora_rank=hidden // 2, index_n_heads=heads, index_head_dim=16,
-            index_topk=4, sliding_window=16, hc_mult=2, num_nextn_predict_layers=0)
+            index_topk=4, sliding_window=16, hc_mult=2, hc_sinkhorn_iters=4,
+            num_nextn_predict_layers=0)
         common["num_hidden_layers"] = layers + 1  # the first layer is hash-routed
     else:
         raise ValueError(f"moegrad.hf.small_config: arch: must be one of {ARCHITECTURES}; "
