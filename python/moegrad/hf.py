@@ -1,4 +1,4 @@
-"""moegrad as a Hugging Face transformers backend (docs/hf.md; docs/decisions.md D37, L190-L199).
+"""moegrad as a Hugging Face transformers backend (docs/hf.md; docs/decisions.md D37, L190-L197).
 
 Importing this module registers the experts implementation "moegrad" with transformers'
 ``ExpertsInterface``, so that ``from_pretrained(..., experts_implementation="moegrad")`` or
