@@ -490,3 +490,22 @@ def test_demo_hf_rejects_unknown_arch(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--hf", "llama"])
     assert "--hf must be one of" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- bench --hf (smoke) ---
+def test_bench_hf_quick(tmp_path, capsys):
+    """python -m moegrad.bench --hf --quick: runs, every backend timed, a markdown row per
+    configuration, JSON records with the split and the peaks. No timing is asserted."""
+    import json
+
+    from moegrad.bench import main
+    out = tmp_path / "b.json"
+    rc = main(["--hf", "--quick", "--archs", "gpt_oss", "--dtypes", "fp32", "--no-compile",
+               "--json", str(out)])
+    assert rc == 0
+    assert "| gpt_oss | float32 |" in capsys.readouterr().out
+    r = json.loads(out.read_text())["records"][0]
+    for k in ("moegrad_ms", "eager_ms", "grouped_mm_ms", "moegrad_non_gemm_ms",
+              "grouped_mm_non_gemm_ms", "moegrad_peak_mb", "grouped_mm_peak_mb"):
+        assert r[k] >= 0, k
+    assert any("router" in p for p in r["patched"])

@@ -142,6 +142,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--archs", default=",".join(SHAPES),
                    help="comma-separated architectures")
     p.add_argument("--tokens", type=int, default=512, help="T")
+    p.add_argument("--scale", type=int, default=1,
+                   help="divide H and I by this (a slow or busy machine); E and K stay")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=3)
@@ -167,6 +169,7 @@ def main(argv: List[str]) -> int:
         print("|" + "---|" * (HEADER.count("|") - 1))
         for arch in archs:
             H, I_, E, K, _ = SHAPES[arch]
+            H, I_ = H // a.scale, I_ // a.scale
             if a.quick:
                 H, I_, E, K = QUICK
             for name in a.dtypes.split(","):
@@ -179,6 +182,7 @@ def main(argv: List[str]) -> int:
         torch.set_num_threads(prev[0])
         moegrad.set_num_threads(prev[1])
     meta = dict(torch=torch.__version__, threads=a.threads, device=a.device, tokens=a.tokens,
+                scale=a.scale,
                 shapes={k: SHAPES[k][4] for k in archs})
     if a.json:
         with open(a.json, "w") as f:
