@@ -6,8 +6,9 @@ transformers' "eager" experts (its own per-expert loop, the reference):
 * fp32, whole model: logits, loss, aux loss, router logits and every parameter gradient agree
   (relative 1e-5), the same experts are selected, and 20 AdamW steps give the same loss curve
   (|delta loss| <= 1e-5 at every step);
-* bf16, one MoE block: output and gradients within bf16 rounding, same experts (inputs drawn
-  without exact ties at the top-k boundary, where the two selections may legitimately differ);
+* bf16, one MoE block: output and gradients against the fp32 block within 4 bf16 ulps or twice
+  eager bf16's own error, same experts (inputs drawn without near ties at the top-k boundary,
+  where two selections may legitimately differ);
 * torch.compile(fullgraph=True) of a patched MoE block (aot_eager: dynamo capture plus the fake
   kernels and autograd; inductor for one architecture);
 * the report (what is patched, what is left alone and why), revert, applying twice, the
@@ -233,39 +234,42 @@ def _call(block, x):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_block_matches_eager(arch, rng):
+    """bf16 block, patched and eager, each against the same block in fp32 (eager, the bf16
+    weights widened): the patched block's error is within 4 bf16 ulps (2^-6) of each tensor's
+    magnitude, or at most twice the eager bf16 block's own error where that is larger (the
+    DeepSeek-V4 eager router rounds its scores and renormalisation to bf16)."""
     model = _build(arch, dtype=torch.bfloat16)
     i, ref = _moe_block(model)
+    wide = copy.deepcopy(ref).float()
     pat_model = copy.deepcopy(model)
     mh.apply(pat_model)
     pat = pat_model.model.layers[i].mlp
     H, K = model.config.hidden_size, model.config.num_experts_per_tok
     x = _block_inputs(ref, H, torch.bfloat16, K)
     g = torch.randn(2, 16, H).to(torch.bfloat16)
-    xs = [x.clone().requires_grad_(True) for _ in range(2)]
-    sels = []
-    outs = []
-    for blk, xi in zip((ref, pat), xs):
+    runs = []
+    for blk, dt in ((wide, torch.float32), (ref, torch.bfloat16), (pat, torch.bfloat16)):
+        xi = x.to(dt).clone().requires_grad_(True)
         seen, handles = _record_selection(blk)
         y = _call(blk, xi)
-        y.backward(g)
+        y.backward(g.to(dt))
         for h in handles:
             h.remove()
-        sels.append(seen)
-        outs.append(y.detach().float())
-    assert all(torch.equal(a, b) for a, b in zip(*sels))
-    # Each path rounds to bf16 a handful of times (GEMM outputs, activation, products, sums):
-    # allow 4 bf16 ulps (2^-8 each) of the tensor's magnitude.
+        tensors = {"output": y.detach().float(), "input grad": xi.grad.float()}
+        tensors.update({n: p.grad.float() for n, p in blk.named_parameters()
+                        if p.grad is not None})
+        runs.append((seen, tensors))
+    (sel32, t32), (sel_ref, t_ref), (sel_pat, t_pat) = runs
+    assert all(torch.equal(a, b) for a, b in zip(sel_ref, sel_pat))
+    assert all(torch.equal(a, b) for a, b in zip(sel32, sel_pat))
     tol = 4 * 2.0 ** -8
-
-    def close(a, b, what):
-        scale = a.abs().max().item()
-        err = (a - b).abs().max().item()
-        assert err <= tol * scale, f"{arch} {what}: {err:.3e} > {tol} * {scale:.3e}"
-    close(outs[0], outs[1], "output")
-    close(xs[0].grad.float(), xs[1].grad.float(), "input grad")
-    for (n, p1), (_, p2) in zip(ref.named_parameters(), pat.named_parameters()):
-        if p1.grad is not None:
-            close(p1.grad.float(), p2.grad.float(), n)
+    assert set(t32) == set(t_pat) == set(t_ref)
+    for name, truth in t32.items():
+        scale = truth.abs().max().item()
+        err_pat = (t_pat[name] - truth).abs().max().item()
+        err_ref = (t_ref[name] - truth).abs().max().item()
+        assert err_pat <= max(tol * scale, 2 * err_ref), \
+            f"{arch} {name}: {err_pat:.3e} vs eager bf16 {err_ref:.3e}, scale {scale:.3e}"
 
 
 # ---------------------------------------------------------------------------- compile -------
