@@ -153,6 +153,37 @@ MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
 MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackward(void* workspace, uint64_t workspaceSize,
                                                      aclOpExecutor* executor, aclrtStream stream);
 
+/* ---- moegrad extensions of the gating pair (docs/operators.md §2.8, docs/decisions.md D33,
+ * D34). The Ex forms take the vendor's arguments plus noRenorm: true never renormalises the k
+ * weights, for every normType (the vendor's calls always renormalise sigmoid and sqrt-softplus);
+ * y = routedScalingFactor * score[ids]. The backward's noRenorm must match the forward's. */
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKExGetWorkspaceSize(
+    const aclTensor* x, const aclTensor* biasOptional, int64_t k, int64_t kGroup,
+    int64_t groupCount, int64_t groupSelectMode, int64_t renorm, int64_t normType, bool outFlag,
+    double routedScalingFactor, double eps, bool noRenorm, const aclTensor* yOut,
+    const aclTensor* expertIdxOut, const aclTensor* outOut, uint64_t* workspaceSize,
+    aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKEx(void* workspace, uint64_t workspaceSize,
+                                               aclOpExecutor* executor, aclrtStream stream);
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardExGetWorkspaceSize(
+    const aclTensor* xNorm, const aclTensor* gradY, const aclTensor* expertIdx, int64_t renorm,
+    int64_t normType, double routedScalingFactor, double eps, bool noRenorm, const aclTensor* out,
+    uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingTopKBackwardEx(void* workspace, uint64_t workspaceSize,
+                                                       aclOpExecutor* executor,
+                                                       aclrtStream stream);
+/* MoeGatingReplay: the gating forward at given expert ids (no selection). x [M,N] float,
+ * expertIdx [M,K] int32 (1 <= K <= N; host ids in [0,N), none twice in a row: 161002 naming row
+ * and value; device ids out of range are skipped, weight 0), biasOptional [N] x dtype (checked,
+ * not used: the bias only ranks), yOut [M,K] x dtype, normOut [M,N] fp32 (always written: the
+ * backward's xNorm). Shape/attribute errors 561002. Gradient: MoeGatingTopKBackward(Ex). */
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingReplayGetWorkspaceSize(
+    const aclTensor* x, const aclTensor* expertIdx, const aclTensor* biasOptional, int64_t renorm,
+    int64_t normType, double routedScalingFactor, double eps, bool noRenorm, const aclTensor* yOut,
+    const aclTensor* normOut, uint64_t* workspaceSize, aclOpExecutor** executor);
+MOEGRAD_C_API aclnnStatus aclnnMoeGatingReplay(void* workspace, uint64_t workspaceSize,
+                                               aclOpExecutor* executor, aclrtStream stream);
+
 /* ---- MoeFinalizeRoutingV2 (§4). expandedX (R*K,H) modes 0/2 or (E,C,H) modes 1/3,
  * expandedRowIdx (R*K) int32, x1/x2 (R,H), bias (E,H), scales (R,K), expertIdx (R,K) int32,
  * out (R,H). dropPadMode 0/1 column layout (k*R + r), 2/3 row layout (r*K + k). */

@@ -129,6 +129,7 @@ struct GatingTopKAttrs {
   bool out_flag = false;          // write norm_out (else it is zero-filled, L1)
   double routed_scaling_factor = 1.0;
   double eps = 1e-20;
+  bool no_renorm = false;  // true: never renormalise the k weights, any norm type (D33)
 };
 // x [M,N] fp32/fp16/bf16; bias [N] x.dtype (selection only) or null;
 // y [M,k] x.dtype; expert_idx [M,k] int32; norm_out [M,N] fp32. Shape errors: 561002.
@@ -146,6 +147,7 @@ struct GatingTopKBackwardAttrs {
   int64_t norm_type = 1;  // 0 softmax, 1 sigmoid (default), 2 sqrt(softplus)
   double routed_scaling_factor = 1.0;
   double eps = 1e-20;
+  bool no_renorm = false;  // true: the forward did not renormalise, any norm type (D33)
 };
 // x_norm [M,N] fp32 (2 <= N <= 2048), the forward's norm_out: softmax, sigmoid or
 // sqrt(softplus) of the logits per norm_type; grad_y [M,K] fp32/fp16/bf16; expert_idx [M,K]
@@ -159,9 +161,37 @@ MOEGRAD_API std::vector<Shape> infer_moe_gating_top_k_backward(
     const TensorView* x_norm, const TensorView* grad_y, const TensorView* expert_idx,
     const GatingTopKBackwardAttrs& attrs);
 
+// ---- Gating replay (moegrad extension, D33, D34; docs/operators.md §2.8) ----
+// The gating forward with the selection replaced by given expert ids: the weights are computed
+// from the current scores at those ids with the forward's normalisation, renormalisation, eps
+// and scaling; the selection bias plays no part. Its gradient is moe_gating_top_k_backward.
+struct GatingReplayAttrs {
+  int64_t renorm = 0;      // softmax only: 1 renormalises the K weights (as the forward)
+  int64_t norm_type = 0;   // 0 softmax, 1 sigmoid, 2 sqrt(softplus)
+  double routed_scaling_factor = 1.0;
+  double eps = 1e-20;
+  bool no_renorm = false;  // true: never renormalise, any norm type (D33)
+};
+// x [M,N] fp32/fp16/bf16 (1 <= N <= 2048); bias [N] x.dtype or null (checked, unused);
+// expert_idx [M,K] int32 (int64 in the C++ API), 1 <= K <= N; host ids in [0, N), no id twice in
+// a row (161002 naming row and value); y [M,K] x.dtype; norm_out [M,N] fp32, always written.
+// Dtype errors 161002, shape/attribute errors 561002.
+MOEGRAD_API ExecutorPtr plan_moe_gating_replay(const TensorView* x, const TensorView* expert_idx,
+                                               const TensorView* bias,
+                                               const GatingReplayAttrs& attrs, const TensorView* y,
+                                               const TensorView* norm_out);
+// Shapes of (y, norm_out).
+MOEGRAD_API std::vector<Shape> infer_moe_gating_replay(const TensorView* x,
+                                                       const TensorView* expert_idx,
+                                                       const TensorView* bias,
+                                                       const GatingReplayAttrs& attrs);
+
 // ---- Finalize routing V2 forward (§4; D6, D7, D8; L4, L5) ----
 struct FinalizeRoutingAttrs {
   int64_t drop_pad_mode = 0;  // 0/2 dropless, 1/3 drop-pad; 0/1 column layout, 2/3 row layout
+  // D36, dropless modes: expanded_x is init routing's aligned layout (align_block > 1) and may
+  // have more than R*K rows; index values then lie in [-1, rows).
+  bool padded = false;
 };
 // expanded_x (R*K,H) or (E,C,H); expanded_row_idx (R*K) int32; x1, x2 (R,H); bias (E,H);
 // scales (R,K); expert_idx (R,K) int32; out (R,H) expanded_x.dtype. Shape/value errors: 561103.
@@ -182,6 +212,9 @@ struct FinalizeRoutingGradAttrs {
   int64_t active_num = 0;     // mode 0: 0 < active_num < R*K truncates the expanded rows
   int64_t expert_num = 0;     // mode 1: E > 0
   int64_t expert_capacity = 0;  // mode 1: C > 0
+  // D36, mode 0: > 0 when grad_expanded_x is init routing's aligned layout of this many rows
+  // (active_num is then 0); index values lie in [-1, padded_rows). Unaddressed rows are zero.
+  int64_t padded_rows = 0;
 };
 // grad_y (R,H); expanded_row_idx (R*K) int32; expanded_x (rows,H) or (E,C,H) (required with
 // scales); scales (R,K); expert_idx (R,K) int32 (required with bias); bias (E,H);
@@ -289,6 +322,12 @@ struct InitRoutingAttrs {
   int64_t expert_start = 0;
   int64_t expert_end = 0;
   int64_t row_idx_type = 0;     // 0 src->dst (slot -> expanded row, -1 = none), 1 dst->src
+  // D36: m > 1 starts each expert's block of expanded_x at a multiple of m (mode 0, A = 0,
+  // row_idx_type 0, expert_num > 0): expanded_x has R*K + bins*(m-1) rows, padding rows are
+  // zero, the index points into that layout, the counts stay the real ones, and the fourth
+  // output padded_offsets [bins + 1] int64 holds each block's first row (the last: the end).
+  // 0 or 1: off (padded_offsets is [0] and may be null). bins = end - start of the window.
+  int64_t align_block = 0;
 };
 // x [R,H] fp32/fp16/bf16; expert_idx [R,K] int32 or int64; expanded_x [rows,H] (mode 0: rows = R*K, or
 // min(A, R*K) when A > 0) or [E,C,H] (mode 1), x.dtype; expanded_row_idx [R*K] int32;
@@ -298,13 +337,16 @@ MOEGRAD_API ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorV
                                               const InitRoutingAttrs& attrs,
                                               const TensorView* expanded_x,
                                               const TensorView* expanded_row_idx,
-                                              const TensorView* expert_tokens);
+                                              const TensorView* expert_tokens,
+                                              const TensorView* padded_offsets = nullptr);
 // Stage one without outputs: Executor::outputs() lists (expanded_x, expanded_row_idx,
-// expert_tokens [0] and optional without the flag, int64); bind them in Executor::run.
+// expert_tokens [0] and optional without the flag, int64; padded_offsets [bins + 1] int64, or
+// [0] and optional without align_block); bind them in Executor::run.
 MOEGRAD_API ExecutorPtr prepare_moe_init_routing(const TensorView* x,
                                                  const TensorView* expert_idx,
                                                  const InitRoutingAttrs& attrs);
-// Shapes of (expanded_x, expanded_row_idx, expert_tokens); expert_tokens is [0] without the flag.
+// Shapes of (expanded_x, expanded_row_idx, expert_tokens, padded_offsets); expert_tokens is [0]
+// without the flag, padded_offsets [0] without align_block.
 MOEGRAD_API std::vector<Shape> infer_moe_init_routing(const TensorView* x,
                                                       const TensorView* expert_idx,
                                                       const InitRoutingAttrs& attrs);
@@ -314,6 +356,7 @@ struct InitRoutingGradAttrs {
   int64_t top_k = 1;          // K >= 1, divides numel(expanded_row_idx)
   int64_t drop_pad_mode = 0;  // 0: grad_expanded_x [rows,H]; 1: [E,C,H]
   int64_t active_num = 0;     // mode 0: A > 0 => grad_expanded_x has min(A, R*K) rows
+  int64_t padded_rows = 0;    // mode 0, D36: > 0 => the aligned layout of this many rows
 };
 // grad_expanded_x fp32/fp16/bf16; expanded_row_idx [R*K] int32/int64 (src->dst, -1 = none);
 // grad_x [R,H] grad_expanded_x.dtype: per token the fp32 sum, in k order, of its valid rows.
@@ -347,6 +390,10 @@ MOEGRAD_API ExecutorPtr prepare_moe_gating_top_k_backward(const TensorView* x_no
                                                           const TensorView* grad_y,
                                                           const TensorView* expert_idx,
                                                           const GatingTopKBackwardAttrs& attrs);
+MOEGRAD_API ExecutorPtr prepare_moe_gating_replay(const TensorView* x,
+                                                  const TensorView* expert_idx,
+                                                  const TensorView* bias,
+                                                  const GatingReplayAttrs& attrs);
 // k: the top-k hint used when R cannot be read from another tensor (L4).
 MOEGRAD_API ExecutorPtr prepare_moe_finalize_routing(
     const TensorView* expanded_x, const TensorView* expanded_row_idx, const TensorView* x1,

@@ -14,8 +14,8 @@ from ._errors import MoeError
 _C._set_error_class(MoeError)
 
 from .ops import (moe_finalize_routing, moe_finalize_routing_grad,  # noqa: E402
-                  moe_gating_top_k, moe_gating_top_k_backward, moe_init_routing,
-                  moe_init_routing_grad, swiglu_group, swiglu_group_quant,
+                  moe_gating_replay, moe_gating_top_k, moe_gating_top_k_backward,
+                  moe_init_routing, moe_init_routing_grad, swiglu_group, swiglu_group_quant,
                   swiglu_group_quant_backward)
 from .ops import PermuteState, moe_permute, moe_unpermute  # noqa: E402
 
@@ -25,6 +25,7 @@ __all__ = [
     "MoeError",
     "moe_gating_top_k",
     "moe_gating_top_k_backward",
+    "moe_gating_replay",
     "moe_finalize_routing",
     "moe_finalize_routing_grad",
     "swiglu_group",

@@ -288,37 +288,59 @@ NB_MODULE(_C, m) {
   m.def("plan_moe_gating_top_k",
         [](const Opt& x, const Opt& bias, int64_t k, int64_t k_group, int64_t group_count,
            int64_t group_select_mode, int64_t renorm, int64_t norm_type, bool out_flag,
-           double rsf, double eps) {
+           double rsf, double eps, bool no_renorm) {
           Args a;
           GatingTopKAttrs at{k, k_group, group_count, group_select_mode, renorm, norm_type,
-                             out_flag, rsf, eps};
+                             out_flag, rsf, eps, no_renorm};
           return planned(prepare_moe_gating_top_k(a(x), a(bias), at));
-        });
+        },
+        nb::arg("x").none(), nb::arg("bias").none(), nb::arg("k"), nb::arg("k_group"),
+        nb::arg("group_count"), nb::arg("group_select_mode"), nb::arg("renorm"),
+        nb::arg("norm_type"), nb::arg("out_flag"), nb::arg("rsf"), nb::arg("eps"),
+        nb::arg("no_renorm") = false);
   m.def("plan_moe_gating_top_k_backward",
         [](const Opt& x_norm, const Opt& grad_y, const Opt& expert_idx, int64_t renorm,
-           int64_t norm_type, double rsf, double eps) {
+           int64_t norm_type, double rsf, double eps, bool no_renorm) {
           Args a;
-          GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps};
+          GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps, no_renorm};
           return planned(
               prepare_moe_gating_top_k_backward(a(x_norm), a(grad_y), a(expert_idx), at));
+        },
+        nb::arg("x_norm").none(), nb::arg("grad_y").none(), nb::arg("expert_idx").none(),
+        nb::arg("renorm"), nb::arg("norm_type"), nb::arg("rsf"), nb::arg("eps"),
+        nb::arg("no_renorm") = false);
+  m.def("plan_moe_gating_replay",
+        [](const Opt& x, const Opt& expert_idx, const Opt& bias, int64_t renorm,
+           int64_t norm_type, double rsf, double eps, bool no_renorm) {
+          Args a;
+          GatingReplayAttrs at{renorm, norm_type, rsf, eps, no_renorm};
+          return planned(prepare_moe_gating_replay(a(x), a(expert_idx), a(bias), at));
         });
   m.def("plan_moe_finalize_routing",
         [](const Opt& ex, const Opt& idx, const Opt& x1, const Opt& x2, const Opt& bias,
-           const Opt& scales, const Opt& eidx, int64_t mode, int64_t k) {
+           const Opt& scales, const Opt& eidx, int64_t mode, int64_t k, bool padded) {
           Args a;
           return planned(prepare_moe_finalize_routing(a(ex), a(idx), a(x1), a(x2), a(bias),
                                                       a(scales), a(eidx),
-                                                      FinalizeRoutingAttrs{mode}, k));
-        });
+                                                      FinalizeRoutingAttrs{mode, padded}, k));
+        },
+        nb::arg("ex").none(), nb::arg("idx").none(), nb::arg("x1").none(), nb::arg("x2").none(),
+        nb::arg("bias").none(), nb::arg("scales").none(), nb::arg("eidx").none(),
+        nb::arg("mode"), nb::arg("k"), nb::arg("padded") = false);
   m.def("plan_moe_finalize_routing_grad",
         [](const Opt& gy, const Opt& idx, const Opt& ex, const Opt& scales, const Opt& eidx,
            const Opt& bias, int64_t mode, int64_t active_num, int64_t expert_num,
-           int64_t expert_capacity) {
+           int64_t expert_capacity, int64_t padded_rows) {
           Args a;
-          FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity};
+          FinalizeRoutingGradAttrs at{mode, active_num, expert_num, expert_capacity,
+                                      padded_rows};
           return planned(prepare_moe_finalize_routing_grad(a(gy), a(idx), a(ex), a(scales),
                                                            a(eidx), a(bias), at));
-        });
+        },
+        nb::arg("gy").none(), nb::arg("idx").none(), nb::arg("ex").none(),
+        nb::arg("scales").none(), nb::arg("eidx").none(), nb::arg("bias").none(),
+        nb::arg("mode"), nb::arg("active_num"), nb::arg("expert_num"),
+        nb::arg("expert_capacity"), nb::arg("padded_rows") = 0);
   m.def("plan_moe_finalize_routing_bias_grad",
         [](const Opt& gy, const Opt& eidx, const Opt& scales, int64_t expert_num) {
           Args a;
@@ -346,12 +368,18 @@ NB_MODULE(_C, m) {
   m.def("moe_gating_top_k",
         [](const Opt& x, const Opt& bias, int64_t k, int64_t k_group, int64_t group_count,
            int64_t group_select_mode, int64_t renorm, int64_t norm_type, bool out_flag,
-           double rsf, double eps, const Opt& y, const Opt& expert_idx, const Opt& norm_out) {
+           double rsf, double eps, const Opt& y, const Opt& expert_idx, const Opt& norm_out,
+           bool no_renorm) {
           Args a;
           GatingTopKAttrs at{k, k_group, group_count, group_select_mode, renorm, norm_type,
-                             out_flag, rsf, eps};
+                             out_flag, rsf, eps, no_renorm};
           run(plan_moe_gating_top_k(a(x), a(bias), at, a(y), a(expert_idx), a(norm_out)));
-        });
+        },
+        nb::arg("x").none(), nb::arg("bias").none(), nb::arg("k"), nb::arg("k_group"),
+        nb::arg("group_count"), nb::arg("group_select_mode"), nb::arg("renorm"),
+        nb::arg("norm_type"), nb::arg("out_flag"), nb::arg("rsf"), nb::arg("eps"),
+        nb::arg("y").none(), nb::arg("expert_idx").none(), nb::arg("norm_out").none(),
+        nb::arg("no_renorm") = false);
   m.def("infer_moe_gating_top_k",
         [](const Opt& x, const Opt& bias, int64_t k, int64_t k_group, int64_t group_count,
            int64_t group_select_mode, int64_t renorm, int64_t norm_type, bool out_flag,
@@ -363,12 +391,31 @@ NB_MODULE(_C, m) {
         });
   m.def("moe_gating_top_k_backward",
         [](const Opt& x_norm, const Opt& grad_y, const Opt& expert_idx, int64_t renorm,
-           int64_t norm_type, double rsf, double eps, const Opt& grad_x) {
+           int64_t norm_type, double rsf, double eps, const Opt& grad_x, bool no_renorm) {
           Args a;
-          GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps};
+          GatingTopKBackwardAttrs at{renorm, norm_type, rsf, eps, no_renorm};
           c_index_rule("moe_gating_top_k_backward", expert_idx, "expert_idx");
           run(plan_moe_gating_top_k_backward(a(x_norm), a(grad_y), a(expert_idx), at,
                                              a(grad_x)));
+        },
+        nb::arg("x_norm").none(), nb::arg("grad_y").none(), nb::arg("expert_idx").none(),
+        nb::arg("renorm"), nb::arg("norm_type"), nb::arg("rsf"), nb::arg("eps"),
+        nb::arg("grad_x").none(), nb::arg("no_renorm") = false);
+  m.def("moe_gating_replay",
+        [](const Opt& x, const Opt& expert_idx, const Opt& bias, int64_t renorm,
+           int64_t norm_type, double rsf, double eps, bool no_renorm, const Opt& y,
+           const Opt& norm_out) {
+          Args a;
+          GatingReplayAttrs at{renorm, norm_type, rsf, eps, no_renorm};
+          c_index_rule("moe_gating_replay", expert_idx, "expert_idx");
+          run(plan_moe_gating_replay(a(x), a(expert_idx), a(bias), at, a(y), a(norm_out)));
+        });
+  m.def("infer_moe_gating_replay",
+        [](const Opt& x, const Opt& expert_idx, const Opt& bias, int64_t renorm,
+           int64_t norm_type, double rsf, double eps, bool no_renorm) -> Shapes {
+          Args a;
+          GatingReplayAttrs at{renorm, norm_type, rsf, eps, no_renorm};
+          return infer_moe_gating_replay(a(x), a(expert_idx), a(bias), at);
         });
   m.def("infer_moe_gating_top_k_backward",
         [](const Opt& x_norm, const Opt& grad_y, const Opt& expert_idx, int64_t renorm,
@@ -505,7 +552,9 @@ NB_MODULE(_C, m) {
           Args a;
           InitRoutingAttrs at{active_num, expert_capacity, expert_num, drop_pad_mode,
                               tokens_type, tokens_flag, has_range, start, end, row_idx_type};
-          return infer_moe_init_routing(a(x), a(eidx), at);
+          Shapes shapes = infer_moe_init_routing(a(x), a(eidx), at);
+          shapes.resize(3);  // padded_offsets: only with align_block (plan_moe_init_routing)
+          return shapes;
         });
   m.def("moe_init_routing_grad",
         [](const Opt& gex, const Opt& idx, int64_t top_k, int64_t drop_pad_mode,
@@ -517,19 +566,27 @@ NB_MODULE(_C, m) {
   m.def("plan_moe_init_routing",
         [](const Opt& x, const Opt& eidx, int64_t active_num, int64_t expert_capacity,
            int64_t expert_num, int64_t drop_pad_mode, int64_t tokens_type, bool tokens_flag,
-           bool has_range, int64_t start, int64_t end, int64_t row_idx_type) {
+           bool has_range, int64_t start, int64_t end, int64_t row_idx_type,
+           int64_t align_block) {
           Args a;
           InitRoutingAttrs at{active_num, expert_capacity, expert_num, drop_pad_mode,
-                              tokens_type, tokens_flag, has_range, start, end, row_idx_type};
+                              tokens_type, tokens_flag, has_range, start, end, row_idx_type,
+                              align_block};
           return planned(prepare_moe_init_routing(a(x), a(eidx), at));
-        });
+        },
+        nb::arg("x").none(), nb::arg("eidx").none(), nb::arg("active_num"),
+        nb::arg("expert_capacity"), nb::arg("expert_num"), nb::arg("drop_pad_mode"),
+        nb::arg("tokens_type"), nb::arg("tokens_flag"), nb::arg("has_range"), nb::arg("start"),
+        nb::arg("end"), nb::arg("row_idx_type"), nb::arg("align_block") = 0);
   m.def("plan_moe_init_routing_grad",
         [](const Opt& gex, const Opt& idx, int64_t top_k, int64_t drop_pad_mode,
-           int64_t active_num) {
+           int64_t active_num, int64_t padded_rows) {
           Args a;
-          InitRoutingGradAttrs at{top_k, drop_pad_mode, active_num};
+          InitRoutingGradAttrs at{top_k, drop_pad_mode, active_num, padded_rows};
           return planned(prepare_moe_init_routing_grad(a(gex), a(idx), at));
-        });
+        },
+        nb::arg("gex").none(), nb::arg("idx").none(), nb::arg("top_k"),
+        nb::arg("drop_pad_mode"), nb::arg("active_num"), nb::arg("padded_rows") = 0);
   m.def("infer_moe_init_routing_grad",
         [](const Opt& gex, const Opt& idx, int64_t top_k, int64_t drop_pad_mode,
            int64_t active_num) -> Shapes {

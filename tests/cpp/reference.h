@@ -57,11 +57,12 @@ inline GatingBwd gating_backward(const Vec& xn, const Vec& gy, const IVec& idx, 
 // xn is the forward's normalised score (softmax output, sigmoid, or n = sqrt(softplus(x))).
 // Softmax: u = g (renorm 0) or its renorm backward (renorm 1), grad_j = s_j (u_j - sum_i s_i u_i).
 // sqrt-softplus: grad_j = u_j (1 - exp(-n_j^2)) / (2 n_j) (0 at n = 0), u the renorm backward.
+// no_renorm (D33): u = g for every norm type; sigmoid then gives s(1 - s) u.
 inline GatingBwd gating_backward_any(const Vec& xn, const Vec& gy, const IVec& idx, int64_t M,
                                      int64_t N, int64_t K, double rsf, double eps,
-                                     int64_t norm_type, int64_t renorm) {
-  if (norm_type == 1) return gating_backward(xn, gy, idx, M, N, K, rsf, eps);
-  const bool rn = norm_type == 2 || renorm == 1;
+                                     int64_t norm_type, int64_t renorm, bool no_renorm = false) {
+  if (norm_type == 1 && !no_renorm) return gating_backward(xn, gy, idx, M, N, K, rsf, eps);
+  const bool rn = !no_renorm && (norm_type == 2 || renorm == 1);
   GatingBwd r{Vec(M * N, 0.0), Vec(M * N, 0.0)};
   for (int64_t i = 0; i < M; ++i) {
     Vec gs(K), gp(K), gpabs(K);
@@ -94,6 +95,9 @@ inline GatingBwd gating_backward_any(const Vec& xn, const Vec& gy, const IVec& i
       if (norm_type == 0) {
         r.grad_x[i * N + j] = x * (G[j] - dot);
         r.scale[i * N + j] = std::fabs(x) * (Gabs[j] + dot_abs);
+      } else if (norm_type == 1) {
+        r.grad_x[i * N + j] = x * (1.0 - x) * G[j];
+        r.scale[i * N + j] = std::fabs(x * (1.0 - x)) * Gabs[j];
       } else {
         const double dn = x == 0.0 ? 0.0 : -std::expm1(-x * x) / (2.0 * x);
         r.grad_x[i * N + j] = dn * G[j];
@@ -109,6 +113,7 @@ struct GatingFwdAttrs {
   int64_t k = 1, k_group = 1, group_count = 1, group_select_mode = 0, renorm = 0, norm_type = 0;
   bool out_flag = false;
   double rsf = 1.0, eps = 1e-20;
+  bool no_renorm = false;  // D33: never renormalise
 };
 struct GatingFwd {
   Vec y, norm_out, score;  // score: the ranking scores (norm + bias), for the tie-gap check
@@ -175,7 +180,7 @@ inline GatingFwd gating_forward(const Vec& x, const Vec* bias, int64_t M, int64_
                      [&](int32_t p, int32_t q) { return score[p] > score[q]; });
     double sum = 0;
     for (int64_t p = 0; p < a.k; ++p) sum += norm[order[p]];
-    const bool renorm = a.norm_type != 0 || a.renorm == 1;
+    const bool renorm = !a.no_renorm && (a.norm_type != 0 || a.renorm == 1);
     for (int64_t p = 0; p < a.k; ++p) {
       const double g = norm[order[p]];
       r.y[i * a.k + p] = (renorm ? g / (sum + a.eps) : g) * a.rsf;
@@ -185,6 +190,36 @@ inline GatingFwd gating_forward(const Vec& x, const Vec* bias, int64_t M, int64_
       r.norm_out[i * N + j] = a.out_flag ? norm[j] : 0.0;
       r.score[i * N + j] = score[j];
     }
+  }
+  return r;
+}
+
+// ---- D34 MoeGatingReplay: the forward's weights at given ids --------------------------------
+struct GatingReplay {
+  Vec y, norm_out;
+};
+inline GatingReplay gating_replay(const Vec& x, const IVec& idx, int64_t M, int64_t N, int64_t K,
+                                  int64_t norm_type, int64_t renorm, bool no_renorm, double rsf,
+                                  double eps) {
+  GatingReplay r{Vec(M * K, 0.0), Vec(M * N, 0.0)};
+  const bool rn = !no_renorm && (norm_type != 0 || renorm == 1);
+  for (int64_t i = 0; i < M; ++i) {
+    Vec norm(N);
+    if (norm_type == 0) {
+      double m = -std::numeric_limits<double>::infinity(), s = 0;
+      for (int64_t j = 0; j < N; ++j) m = std::max(m, x[i * N + j]);
+      for (int64_t j = 0; j < N; ++j) s += std::exp(x[i * N + j] - m);
+      for (int64_t j = 0; j < N; ++j) norm[j] = std::exp(x[i * N + j] - m) / s;
+    } else {
+      for (int64_t j = 0; j < N; ++j) norm[j] = normalise(x[i * N + j], norm_type);
+    }
+    double sum = 0;
+    for (int64_t p = 0; p < K; ++p) sum += norm[idx[i * K + p]];
+    for (int64_t p = 0; p < K; ++p) {
+      const double g = norm[idx[i * K + p]];
+      r.y[i * K + p] = (rn ? g / (sum + eps) : g) * rsf;
+    }
+    for (int64_t j = 0; j < N; ++j) r.norm_out[i * N + j] = norm[j];
   }
   return r;
 }

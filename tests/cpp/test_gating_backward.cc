@@ -12,6 +12,7 @@ struct GatingBwdCase : OpCase {
   Tensor x_norm, grad_y, expert_idx, out;
   int64_t renorm = 0, norm_type = 1;
   double rsf = 1.0, eps = 1e-20;
+  bool no_renorm = false;  // D33: through the Ex entry point
   int64_t M, N, K;
 
   // A valid call: x_norm in (0.05, 0.95), random signed grad_y, distinct experts per row.
@@ -32,11 +33,17 @@ struct GatingBwdCase : OpCase {
     out = Tensor({M, N}, dt);
   }
   aclnnStatus stage1(uint64_t* ws, aclOpExecutor** ex) override {
+    if (no_renorm) {
+      return aclnnMoeGatingTopKBackwardExGetWorkspaceSize(
+          x_norm.handle(), grad_y.handle(), expert_idx.handle(), renorm, norm_type, rsf, eps, true,
+          out.handle(), ws, ex);
+    }
     return aclnnMoeGatingTopKBackwardGetWorkspaceSize(x_norm.handle(), grad_y.handle(),
                                                       expert_idx.handle(), renorm, norm_type, rsf,
                                                       eps, out.handle(), ws, ex);
   }
   aclnnStatus stage2(void* ws, uint64_t size, aclOpExecutor* ex) override {
+    if (no_renorm) return aclnnMoeGatingTopKBackwardEx(ws, size, ex, nullptr);
     return aclnnMoeGatingTopKBackward(ws, size, ex, nullptr);
   }
   std::vector<Tensor*> outputs() override { return {&out}; }
@@ -46,7 +53,7 @@ struct GatingBwdCase : OpCase {
     for (int64_t i = 0; i < M * K; ++i) idx[i] = expert_idx.i32(i);
     ref::GatingBwd r = ref::gating_backward_any(x_norm.values(), grad_y.values(), idx, M, N, K,
                                                 static_cast<float>(rsf), static_cast<float>(eps),
-                                                norm_type, renorm);
+                                                norm_type, renorm, no_renorm);
     expect_close(out, r.grad_x, what, r.scale, static_cast<double>(K));
     // Unselected experts get exactly 0 (§1.7); softmax spreads over every column.
     for (int64_t i = 0; i < M && norm_type != 0; ++i) {
@@ -183,6 +190,7 @@ TEST(MoeGatingTopKBackward, WorkedExample_1_9) {
 // real forward output: a softmax row (sums to 1) or sqrt(softplus) of random logits.
 struct NormCase {
   int64_t norm_type, renorm;
+  bool no_renorm;  // D33
 };
 
 class GatingBackwardNormTypes
@@ -196,6 +204,7 @@ TEST_P(GatingBackwardNormTypes, MatchesFloat64Reference) {
   GatingBwdCase c(M, N, K, dt, static_cast<uint32_t>(N * 37 + K + nc.norm_type));
   c.norm_type = nc.norm_type;
   c.renorm = nc.renorm;
+  c.no_renorm = nc.no_renorm;
   c.rsf = shape % 2 ? 2.5 : -1.5;
   Rng rng(static_cast<uint32_t>(M * 131 + N));
   std::vector<double> xn(M * N);
@@ -203,7 +212,9 @@ TEST_P(GatingBackwardNormTypes, MatchesFloat64Reference) {
     double sum = 0.0;
     for (int64_t j = 0; j < N; ++j) {
       const double x = rng.signed_uniform(0.0, 4.0);
-      xn[i * N + j] = nc.norm_type == 0 ? std::exp(x) : std::sqrt(std::log1p(std::exp(x)));
+      xn[i * N + j] = nc.norm_type == 0   ? std::exp(x)
+                      : nc.norm_type == 1 ? 1.0 / (1.0 + std::exp(-x))
+                                          : std::sqrt(std::log1p(std::exp(x)));
       sum += xn[i * N + j];
     }
     if (nc.norm_type == 0) {
@@ -218,12 +229,15 @@ TEST_P(GatingBackwardNormTypes, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(
     MoeGatingTopKBackward, GatingBackwardNormTypes,
     testing::Combine(testing::Values(ACL_FLOAT, ACL_FLOAT16, ACL_BF16),
-                     testing::Values(NormCase{0, 0}, NormCase{0, 1}, NormCase{2, 0}, NormCase{2, 1}),
+                     testing::Values(NormCase{0, 0}, NormCase{0, 1}, NormCase{2, 0}, NormCase{2, 1},
+                                     NormCase{0, 1, true}, NormCase{1, 0, true},
+                                     NormCase{2, 0, true}),
                      testing::Range(0, 6)),
     [](const testing::TestParamInfo<std::tuple<aclDataType, NormCase, int>>& info) {
       const auto& n = std::get<1>(info.param);
       return std::string(dt_name(std::get<0>(info.param))) + "_norm" + std::to_string(n.norm_type) +
-             "_renorm" + std::to_string(n.renorm) + "_shape" + std::to_string(std::get<2>(info.param));
+             "_renorm" + std::to_string(n.renorm) + (n.no_renorm ? "_norenorm" : "") + "_shape" +
+             std::to_string(std::get<2>(info.param));
     });
 
 // sqrt-softplus at n = 0 (x = -inf) gives exactly 0, and tiny n follows the n / 2 limit.

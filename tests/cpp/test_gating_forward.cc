@@ -29,12 +29,19 @@ struct GatingFwdCase : OpCase {
     norm_out = Tensor({M, N}, ACL_FLOAT);
   }
   aclnnStatus stage1(uint64_t* ws, aclOpExecutor** ex) override {
+    if (a.no_renorm) {  // D33: the Ex entry point
+      return aclnnMoeGatingTopKExGetWorkspaceSize(
+          x.handle(), bias.handle(), a.k, a.k_group, a.group_count, a.group_select_mode, a.renorm,
+          a.norm_type, a.out_flag, a.rsf, a.eps, true, y.handle(), expert_idx.handle(),
+          norm_out.handle(), ws, ex);
+    }
     return aclnnMoeGatingTopKGetWorkspaceSize(x.handle(), bias.handle(), a.k, a.k_group,
                                               a.group_count, a.group_select_mode, a.renorm,
                                               a.norm_type, a.out_flag, a.rsf, a.eps, y.handle(),
                                               expert_idx.handle(), norm_out.handle(), ws, ex);
   }
   aclnnStatus stage2(void* ws, uint64_t size, aclOpExecutor* ex) override {
+    if (a.no_renorm) return aclnnMoeGatingTopKEx(ws, size, ex, nullptr);
     return aclnnMoeGatingTopK(ws, size, ex, nullptr);
   }
   std::vector<Tensor*> outputs() override { return {&y, &expert_idx, &norm_out}; }
@@ -203,6 +210,7 @@ struct FwdConfig {
   int64_t M, N, k, k_group, group_count, group_select_mode, renorm, norm_type;
   bool out_flag, bias;
   double rsf, eps;
+  bool no_renorm;  // D33
 };
 
 class GatingForwardValues
@@ -213,7 +221,7 @@ TEST_P(GatingForwardValues, MatchesFloat64Reference) {
   const auto [dt, f] = GetParam();
   GatingFwdCase c(f.M, f.N, f.k, dt, f.bias);
   c.a = {f.k, f.k_group, f.group_count, f.group_select_mode, f.renorm, f.norm_type, f.out_flag,
-         f.rsf, f.eps};
+         f.rsf, f.eps, f.no_renorm};
   c.alloc_outputs();
   Rng rng(static_cast<uint32_t>(f.N * 7 + f.k * 3 + f.norm_type));
   for (int attempt = 0; attempt < 200; ++attempt) {
@@ -248,7 +256,13 @@ INSTANTIATE_TEST_SUITE_P(
             FwdConfig{"grouped_top2", 4, 32, 6, 3, 4, 1, 0, 1, true, true, 2.0, 1e-20},
             FwdConfig{"grouped_softmax", 3, 24, 2, 1, 3, 1, 1, 0, false, false, 1.0, 1e-20},
             FwdConfig{"k1_n2", 7, 2, 1, 1, 1, 0, 0, 1, true, false, 1.0, 1e-20},
-            FwdConfig{"n2048", 2, 2048, 8, 1, 1, 0, 0, 1, false, false, 1.0, 1e-20})),
+            FwdConfig{"n2048", 2, 2048, 8, 1, 1, 0, 0, 1, false, false, 1.0, 1e-20},
+            // D33: no renormalisation for every norm type (the softmax renorm 1 is overridden)
+            FwdConfig{"sigmoid_no_renorm", 6, 32, 8, 1, 1, 0, 0, 1, true, true, 2.5, 1e-20, true},
+            FwdConfig{"sigmoid_k1_no_renorm", 5, 8, 1, 1, 1, 0, 0, 1, false, false, 1.0, 1e-20, true},
+            FwdConfig{"sqrt_softplus_no_renorm", 3, 12, 5, 1, 1, 0, 0, 2, true, false, 0.5, 1e-10, true},
+            FwdConfig{"softmax_renorm1_no_renorm", 4, 16, 3, 1, 1, 0, 1, 0, true, false, 1.5, 1e-20, true},
+            FwdConfig{"grouped_sigmoid_no_renorm", 4, 32, 4, 2, 8, 0, 0, 1, false, true, 1.0, 1e-20, true})),
     [](const testing::TestParamInfo<std::tuple<aclDataType, FwdConfig>>& info) {
       return std::string(dt_name(std::get<0>(info.param))) + "_" + std::get<1>(info.param).name;
     });

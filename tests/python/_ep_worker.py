@@ -13,6 +13,18 @@ import moegrad  # noqa: F401
 from moegrad.nn import MoE, all_reduce_non_expert_grads
 
 
+def rank_layer(c, rank, **kwargs):
+    """(layer, lo, hi): the expert-parallel layer of `rank` (its share of the experts from the
+    full state c["state"]) and the bounds of its tokens in c["splits"]."""
+    m = MoE(*c["args"], ep_group=dist.group.WORLD, **kwargs)
+    El = m.num_local_experts
+    sd = dict(c["state"])
+    for n in ("w_up", "w_down"):
+        sd[n] = sd[n][rank * El:(rank + 1) * El]
+    m.load_state_dict(sd)
+    return m, c["splits"][rank], c["splits"][rank + 1]
+
+
 def main():
     rank, world, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=rank,
@@ -20,13 +32,7 @@ def main():
     case = torch.load(f"{d}/case.pt")
     results = []
     for c in case:
-        m = MoE(*c["args"], ep_group=dist.group.WORLD, **c["kwargs"])
-        El = m.num_local_experts
-        sd = dict(c["state"])
-        for n in ("w_up", "w_down"):
-            sd[n] = sd[n][rank * El:(rank + 1) * El]
-        m.load_state_dict(sd)
-        lo, hi = c["splits"][rank], c["splits"][rank + 1]
+        m, lo, hi = rank_layer(c, rank, **c["kwargs"])
         x = c["x"][lo:hi].clone().requires_grad_(True)
         y = m(x)
         loss = (y * c["up"][lo:hi]).sum()

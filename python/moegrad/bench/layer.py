@@ -6,7 +6,8 @@ The configuration is DeepSeek-V3-like, scaled to one machine (default H=1024, F=
 their own with the same routing: up and down projection, forward and backward) and everything
 else (total minus GEMMs). Peak memory of a step: torch.cuda.max_memory_allocated on CUDA; on
 the CPU the peak of torch's CPU allocator as recorded by the profiler (allocations minus frees
-in event order), against eager.
+in event order), against eager. With --losses also the cost of the balance losses (Switch,
+sequence-wise, z-loss all on against all off, docs/layer.md "Routing options").
 """
 from __future__ import annotations
 
@@ -77,6 +78,40 @@ def _time(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
     return statistics.median(ts)
 
 
+def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[str, float]:
+    """Step time of the layer with the Switch, sequence-wise and z-loss on (their sum added to
+    the loss) over the step with all three off; steps alternate (in both orders), so load
+    drifts hit both alike.
+    x is viewed as sequences of 256 tokens (the sequence-wise loss needs [B, S, H])."""
+    S = 256 if x.shape[0] % 256 == 0 else x.shape[0]
+    xs, gs = x.view(-1, S, x.shape[1]), g.view(-1, S, g.shape[1])
+    coefs = ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef")
+
+    def step(on: bool):
+        for c in coefs:
+            setattr(m, c, 1e-3 if on else 0.0)
+        xi = xs.detach().requires_grad_(True)
+        loss = (m(xi) * gs).sum()
+        if on:
+            loss = loss + m.aux_loss + m.seq_aux_loss + m.z_loss
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        sync()
+
+    times = {False: [], True: []}
+    for on in (False, True):
+        step(on)                          # warm-up
+    for r in range(reps):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):  # neither always first
+            t0 = time.perf_counter()
+            step(on)
+            times[on].append(time.perf_counter() - t0)
+    for c in coefs:
+        setattr(m, c, 0.0)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return dict(losses_off_ms=off * 1e3, losses_on_ms=on * 1e3, losses_overhead=on / off - 1.0)
+
+
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
 
 
@@ -126,7 +161,8 @@ def _peak_bytes(fn: Callable[[], None], device: str) -> int:
     return _cpu_peak_bytes(fn)
 
 
-def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=0) -> Dict:
+def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=0,
+               losses=False) -> Dict:
     torch.manual_seed(seed)
     m = MoE(H, F_, E, K, score="sigmoid", n_group=8 if E % 8 == 0 else 1,
             topk_group=4 if E % 8 == 0 else 1, routed_scaling_factor=2.5).to(device, dtype)
@@ -206,6 +242,8 @@ def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=
                     res[f"{name}_in_step_non_gemm_ms"] / res["moegrad_in_step_non_gemm_ms"])
     res["peak_mb_moegrad"] = _peak_bytes(impls["moegrad"], device) / 2**20
     res["peak_mb_eager"] = _peak_bytes(impls["eager"], device) / 2**20
+    if losses:
+        res.update(_loss_overhead(m, x, g, reps, sync))
     return res
 
 
@@ -222,6 +260,9 @@ def _fmt(r: Dict) -> str:
         parts.append("in-step non-GEMM " + " / ".join(
             f"{n} {r[f'{n}_in_step_non_gemm_ms']:.1f}" for n in names) + " ms")
     parts.append(f"peak {r['peak_mb_moegrad']:.1f} MB vs eager {r['peak_mb_eager']:.1f} MB")
+    if "losses_overhead" in r:
+        parts.append(f"balance losses {r['losses_on_ms']:.2f} vs {r['losses_off_ms']:.2f} ms "
+                     f"({100 * r['losses_overhead']:+.1f} %)")
     return " | ".join(parts)
 
 
@@ -240,6 +281,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--losses", action="store_true",
+                   help="also time the step with every balance loss on against all off")
     p.add_argument("--quick", action="store_true",
                    help="a small configuration (H=128, F=64, E=16, K=4, T=256, 2 reps)")
     p.add_argument("--json", metavar="PATH")
@@ -259,7 +302,7 @@ def main(argv: List[str]) -> int:
             progress(number, len(names), f"layer {name} H={a.hidden} F={a.ffn} E={a.experts} "
                      f"K={a.top_k} T={a.tokens}", t_start)
             r = run_config(a.hidden, a.ffn, a.experts, a.top_k, a.tokens, dts[name], a.device,
-                           a.reps, compile_baseline=not a.no_compile)
+                           a.reps, compile_baseline=not a.no_compile, losses=a.losses)
             records.append(r)
             print(_fmt(r))
             sys.stdout.flush()

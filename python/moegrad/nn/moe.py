@@ -307,6 +307,14 @@ def _check_arguments(*, hidden, ffn_hidden, num_experts, top_k, score, n_group, 
               dtype)
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward: an activation-checkpoint recomputation
+    (L187). A compiled graph cannot ask (the query breaks the graph): there it is False."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
 # -------------------------------------------------------------------------------- the layer --
 class MoE(nn.Module):
     """A routed-expert SwiGLU feed-forward layer.
@@ -321,8 +329,18 @@ class MoE(nn.Module):
     Extras: shared_experts (dense SwiGLU MLPs of width shared_experts * F on every token),
     bias_update_speed (aux-loss-free balancing step, applied by update_bias()), aux_loss_coef
     (Switch-style loss E * sum_e f_e * P_e, exposed as .aux_loss after each forward).
+    Routing (docs/layer.md "Routing options"; D33-D35): norm_topk_prob (False: the top-k weights
+    are the scores themselves, D33; required with top_k = 1), seq_aux_loss_coef (DeepSeek-V3's
+    sequence-wise loss, .seq_aux_loss), z_loss_coef (router z-loss, .z_loss), aux_loss_group (a
+    process group: the Switch loss counts f over its whole batch, the global-batch variant).
+    Router logits and the selection are computed in fp32 for every layer dtype.
 
-    forward(x [T, H] or [B, S, H]) -> same shape and dtype.
+    forward(x [T, H] or [B, S, H], mask=None) -> same shape and dtype. mask (x.shape[:-1], bool
+    or 0/1): tokens where it is false are not routed, take no capacity, count in no statistic or
+    loss, and get a zero output. After a forward: last_expert_idx [T_routed, K], last_load [E]
+    (tokens per expert of that forward); tokens_per_expert accumulates training forwards (once
+    per token, also under activation checkpointing). moegrad.nn.RoutingReplay records / replays
+    the expert choices (D34).
 
     Errors (docs/layer.md "Arguments and errors", docs/decisions.md L172): the constructor
     checks every argument, a wrong type raises TypeError and a wrong value ValueError, with the
@@ -335,7 +353,9 @@ class MoE(nn.Module):
                  routed_scaling_factor: float = 1.0, clamp_limit: float = -1.0,
                  capacity_factor: Optional[float] = None, ep_group=None,
                  shared_experts: int = 0, bias_update_speed: float = 0.0,
-                 aux_loss_coef: float = 0.0, device=None, dtype=None):
+                 aux_loss_coef: float = 0.0, norm_topk_prob: bool = True,
+                 seq_aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 aux_loss_group=None, device=None, dtype=None):
         super().__init__()
         _check_arguments(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts,
                          top_k=top_k, score=score, n_group=n_group, topk_group=topk_group,
@@ -343,6 +363,8 @@ class MoE(nn.Module):
                          capacity_factor=capacity_factor, shared_experts=shared_experts,
                          bias_update_speed=bias_update_speed, aux_loss_coef=aux_loss_coef,
                          dtype=dtype)
+        self._init_routing_options(top_k, norm_topk_prob, seq_aux_loss_coef, z_loss_coef,
+                                   aux_loss_group)
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.num_experts, self.top_k = num_experts, top_k
         self.score, self.n_group, self.topk_group = score, n_group, topk_group
@@ -409,19 +431,98 @@ class MoE(nn.Module):
         self.tokens_per_expert = self.tokens_per_expert.float()
         return self
 
+    # -- routing options (D33-D35, docs/layer.md "Routing options") --------------------------
+    def _init_routing_options(self, top_k, norm_topk_prob, seq_aux_loss_coef, z_loss_coef,
+                              aux_loss_group):
+        if top_k == 1 and norm_topk_prob:
+            raise ValueError("MoE: norm_topk_prob: must be False with top_k = 1 (one "
+                             "renormalised weight is always 1, so the router would get no "
+                             "gradient); got True")
+        for name, v in (("seq_aux_loss_coef", seq_aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"MoE: {name}: must be a finite number >= 0; got {v}")
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.seq_aux_loss_coef = float(seq_aux_loss_coef)
+        self.z_loss_coef = float(z_loss_coef)
+        self.aux_loss_group = aux_loss_group
+        self.routing_replay = None           # set by moegrad.nn.RoutingReplay
+        self._recompute_ids: List[Tensor] = []  # ids of forwards a checkpoint may recompute
+        self.z_loss: Optional[Tensor] = None
+        self.seq_aux_loss: Optional[Tensor] = None
+        self.last_load: Optional[Tensor] = None
+
     # -- routing ----------------------------------------------------------------------------
-    def route(self, x: Tensor):
-        """(weights [T, K] fp32, expert_idx [T, K] int32, scores [T, E] fp32 or None)."""
-        logits = F.linear(x, self.gate).float()
+    def route(self, x: Tensor, expert_idx: Optional[Tensor] = None):
+        """(weights [T, K] fp32, expert_idx [T, K] int32, scores [T, E] fp32 or None). Logits
+        and selection in fp32 (a bf16 logit would rank near-equal experts wrongly); with
+        expert_idx given the experts are not selected but replayed (moe_gating_replay)."""
+        logits = F.linear(x.float(), self.gate.float())
         sigmoid = self.score == "sigmoid"
-        want_scores = self.aux_loss_coef > 0 and self.training
-        y, idx, norm = _mg.moe_gating_top_k(
-            logits, self.top_k, bias=self.selection_bias if sigmoid else None,
-            k_group=self.topk_group, group_count=self.n_group,
-            group_select_mode=1 if sigmoid else 0, renorm=0 if sigmoid else 1,
-            norm_type=1 if sigmoid else 0, out_flag=want_scores,
-            routed_scaling_factor=self.routed_scaling_factor)
-        return y, idx, (norm if want_scores else None)
+        want_scores = self.training and (self.aux_loss_coef > 0 or self.seq_aux_loss_coef > 0)
+        norm = dict(renorm=0 if sigmoid else 1, norm_type=1 if sigmoid else 0,
+                    routed_scaling_factor=self.routed_scaling_factor,
+                    no_renorm=not self.norm_topk_prob)
+        if expert_idx is None:
+            y, idx, scores = _mg.moe_gating_top_k(
+                logits, self.top_k, bias=self.selection_bias if sigmoid else None,
+                k_group=self.topk_group, group_count=self.n_group,
+                group_select_mode=1 if sigmoid else 0, out_flag=want_scores, **norm)
+        else:
+            idx = expert_idx.to(device=logits.device, dtype=torch.int32)
+            y, scores = _mg.moe_gating_replay(logits, idx, **norm)
+        self.z_loss = (self.z_loss_coef * torch.logsumexp(logits, -1).square().mean()
+                       if self.z_loss_coef > 0 and self.training else None)
+        return y, idx, (scores if want_scores else None)
+
+    @torch.compiler.disable
+    def _replayed_ids(self, T: int):
+        """(recomputing, ids or None). A forward that runs inside backward is an activation-
+        checkpoint recomputation: it takes the ids of the forward it repeats, when a replay is
+        attached (L185). Otherwise a replay in progress supplies the next recorded ids."""
+        recomputing = _recomputing()
+        rr = self.routing_replay
+        if recomputing:
+            if self._recompute_ids:
+                return True, self._recompute_ids.pop()
+            if rr.mode == "replay":
+                raise RuntimeError("RoutingReplay: replay: a recomputed forward has no ids of "
+                                   "its original forward; run the backward inside replay() and "
+                                   "checkpoint with use_reentrant=False or True, not both")
+            return True, None
+        if rr.mode == "replay":
+            return False, rr._next(self, T, self.top_k)
+        return False, None
+
+    @torch.compiler.disable
+    def _note_ids(self, idx: Tensor) -> None:
+        """Records a forward's ids (record mode) and keeps them for a recomputation."""
+        rr = self.routing_replay
+        if rr.mode == "record":
+            rr._push(idx)
+        if self.training and rr.mode != "off":
+            self._recompute_ids.append(idx.detach())
+
+    def _routed_rows(self, mask: Tensor, shape) -> Tensor:
+        """Indices of the tokens a mask keeps (a host read of their number)."""
+        if tuple(mask.shape) != tuple(shape[:-1]):
+            raise ValueError(f"MoE: mask: must have the shape {list(shape[:-1])} of x without "
+                             f"its last dim; got {list(mask.shape)}")
+        return (mask.reshape(-1) != 0).nonzero().squeeze(1)
+
+    def _seq_aux_loss(self, p: Tensor, idx: Tensor, seq: Tensor, n_seq: int) -> Tensor:
+        """DeepSeek-V3's sequence-wise balance loss (D35) from the normalised scores p [T, E]:
+        per sequence b with S_b routed tokens, coef * sum_e f_be * P_be, f_be = E / (K * S_b) *
+        (selections of e in b), P_be = mean of p over b; averaged over the sequences with a
+        routed token."""
+        E, K = self.num_experts, self.top_k
+        slots = (seq.unsqueeze(1) * E + idx.long()).reshape(-1)
+        cnt = p.new_zeros(n_seq * E).index_add(0, slots, p.new_ones(slots.shape)).view(n_seq, E)
+        P = p.new_zeros((n_seq, E)).index_add(0, seq, p)
+        tokens = cnt.sum(1, keepdim=True) / K            # every routed token made K selections
+        s2 = tokens.clamp_min(1.0).square()
+        per_seq = (cnt * P).sum(-1, keepdim=True) * (E / K) / s2
+        used = (tokens > 0).to(p.dtype)
+        return self.seq_aux_loss_coef * (per_seq * used).sum() / used.sum().clamp_min(1.0)
 
     # -- experts ------------------------------------------------------------------------------
     def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
@@ -447,7 +548,7 @@ class MoE(nn.Module):
             return None
         return _mg.swiglu_group(x @ self.shared_up, clamp_limit=self.clamp_limit) @ self.shared_down
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         shape = x.shape
         if x.dim() not in (2, 3) or shape[-1] != self.hidden:
             raise ValueError(f"MoE: x: must be [T, {self.hidden}] or [B, S, {self.hidden}] "
@@ -455,9 +556,24 @@ class MoE(nn.Module):
         if x.dtype != self.gate.dtype:
             raise TypeError(f"MoE: x: dtype must be the layer's, {self.gate.dtype} (convert "
                             f"the input, or the layer with .to(dtype)); got {x.dtype}")
-        x = x.reshape(-1, self.hidden)
+        x_all = x.reshape(-1, self.hidden)
+        # Sequence of each token (seq_aux_loss): [B, S, H] rows, or one sequence.
+        seq = None
+        if self.seq_aux_loss_coef > 0 and self.training:
+            S = shape[1] if len(shape) == 3 else max(shape[0], 1)
+            seq = torch.arange(x_all.shape[0], device=x.device) // S
+        rows = None if mask is None else self._routed_rows(mask, shape)
+        x = x_all if rows is None else x_all.index_select(0, rows)
+        if rows is not None and seq is not None:
+            seq = seq.index_select(0, rows)
         T, E, K = x.shape[0], self.num_experts, self.top_k
-        weights, idx, scores = self.route(x)
+        if self.routing_replay is None:  # no graph break without a replay
+            recomputing, given = _recomputing(), None
+        else:
+            recomputing, given = self._replayed_ids(T)
+        weights, idx, scores = self.route(x, given)
+        if not recomputing and self.routing_replay is not None:
+            self._note_ids(idx)
         self.last_expert_idx = idx.detach()
         if self.capacity_factor is not None:
             cap = max(1, math.ceil(self.capacity_factor * T * K / E))
@@ -472,24 +588,37 @@ class MoE(nn.Module):
             else:
                 out_rows = self._expert_parallel(ex, counts)
             mode = 2
-        if self.training:
-            with torch.no_grad():
-                self.tokens_per_expert += counts.float()
-        if scores is not None:
-            self.aux_loss = self._switch_loss(scores, counts, T)
-        else:
-            self.aux_loss = None
+        # Load statistics: once per token and step (a checkpoint recomputation counts nothing).
+        if not recomputing:
+            self.last_load = counts.detach()
+            if self.training:
+                with torch.no_grad():
+                    self.tokens_per_expert += counts.float()
+        # Scores normalised to sum 1 per token: the P of both score-based losses.
+        p = None if scores is None else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+        self.aux_loss = self._switch_loss(p, counts, T) if p is not None and \
+            self.aux_loss_coef > 0 else None
+        self.seq_aux_loss = (self._seq_aux_loss(p, idx, seq, int(shape[0]) if len(shape) == 3
+                                                else 1) if seq is not None else None)
         y = _mg.moe_finalize_routing(out_rows, row_idx, x1=self._shared(x), scales=weights,
                                  drop_pad_mode=mode, k=K)
+        if rows is not None:  # masked tokens: zero output
+            y = y.new_zeros((x_all.shape[0], self.hidden)).index_copy(0, rows, y)
         return y.reshape(shape)
 
-    def _switch_loss(self, scores: Tensor, counts: Tensor, T: int) -> Tensor:
+    def _switch_loss(self, p: Tensor, counts: Tensor, T: int) -> Tensor:
         """Switch: coef * E * sum_e f_e * P_e (f: fraction of the T*K slots routed to e, no
         gradient; P: mean over tokens of the normalised score). With ep_group both are over the
         tokens of every rank (L88), so the value equals the single-process one on each rank."""
         E, K = self.num_experts, self.top_k
-        p_sum = (scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)).sum(0)
+        p_sum = p.sum(0)
         load = torch.cat([counts.to(torch.float64), counts.new_full((1,), T).to(torch.float64)])
+        if self.aux_loss_group is not None:
+            # Global-batch variant (D35): f over every token of the group, P of this rank's.
+            import torch.distributed as dist
+            dist.all_reduce(load, group=self.aux_loss_group)
+            f = (load[:-1] / (load[-1].clamp_min(1.0) * K)).to(p_sum.dtype)
+            return self.aux_loss_coef * E * (f * (p_sum / max(T, 1))).sum()
         if self.ep_group is not None:
             import torch.distributed as dist
             dist.all_reduce(load, group=self.ep_group)

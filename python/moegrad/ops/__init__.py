@@ -7,7 +7,7 @@ the moe_permute / moe_unpermute pair over init and finalize routing (docs/layer.
 Signatures: docs/operators.md §7.2.
 """
 from .finalize_routing import moe_finalize_routing, moe_finalize_routing_grad
-from .gating_topk import moe_gating_top_k, moe_gating_top_k_backward
+from .gating_topk import moe_gating_replay, moe_gating_top_k, moe_gating_top_k_backward
 from .init_routing import moe_init_routing, moe_init_routing_grad
 from .permute import PermuteState, moe_permute, moe_unpermute
 from .swiglu import swiglu_group, swiglu_group_quant, swiglu_group_quant_backward
@@ -15,6 +15,7 @@ from .swiglu import swiglu_group, swiglu_group_quant, swiglu_group_quant_backwar
 __all__ = [
     "moe_gating_top_k",
     "moe_gating_top_k_backward",
+    "moe_gating_replay",
     "moe_finalize_routing",
     "moe_finalize_routing_grad",
     "swiglu_group",

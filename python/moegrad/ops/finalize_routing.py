@@ -34,7 +34,7 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
                          x1: Optional[Tensor] = None, x2: Optional[Tensor] = None,
                          bias: Optional[Tensor] = None, scales: Optional[Tensor] = None,
                          expert_idx: Optional[Tensor] = None, drop_pad_mode: int = 0,
-                         k: int = 1) -> Tensor:
+                         k: int = 1, padded: bool = False) -> Tensor:
     """Unpermute and combine expert outputs per token (MoeFinalizeRoutingV2, §4, D6-D8).
 
     out[r] = x1[r] + x2[r] + sum_k scales[r,k] * (expanded_x[idx(r,k)] + bias[expert_idx[r,k]])
@@ -44,6 +44,8 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     R = scales/expert_idx/x1 rows, else len(expanded_row_idx) // k. Returns (R, H) in
     expanded_x's dtype. Differentiable in every mode w.r.t. expanded_x, scales, x1, x2 (their
     gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
+    padded=True (modes 0/2): expanded_x is the aligned layout of moe_init_routing(align_block)
+    and may have more than R*K rows; padding rows are never read and get zero gradient (D36).
     An expanded_row_idx straight from moe_init_routing (row layout) is refused in modes 0/1
     when R > 1 and K > 1, where the column reading would combine the wrong rows (eager calls;
     docs/decisions.md L171; moegrad.moe_unpermute picks the mode itself).
@@ -55,14 +57,15 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     eidx = _contig(expert_idx)
     x1, x2, bias, scales = _contig(x1), _contig(x2), _contig(bias), _contig(scales)
     planned = _C.plan_moe_finalize_routing(_dl(expanded_x), _dl(idx), _dlo(x1), _dlo(x2),
-                                           _dlo(bias), _dlo(scales), _dlo(eidx), drop_pad_mode, k)
+                                           _dlo(bias), _dlo(scales), _dlo(eidx), drop_pad_mode, k,
+                                           padded)
     (out,) = _execute(planned, expanded_x)
     return out
 
 
 @moe_finalize_routing.register_fake
 def _(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None,
-      drop_pad_mode=0, k=1):
+      drop_pad_mode=0, k=1, padded=False):
     _same_device("moe_finalize_routing", ("expanded_x", expanded_x),
                  ("expanded_row_idx", expanded_row_idx), ("x1", x1), ("x2", x2), ("bias", bias),
                  ("scales", scales), ("expert_idx", expert_idx))
@@ -85,7 +88,8 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
                               expert_idx: Optional[Tensor] = None,
                               bias: Optional[Tensor] = None, drop_pad_mode: int = 0,
                               active_num: int = 0, expert_num: int = 0,
-                              expert_capacity: int = 0) -> Tuple[Tensor, Tensor]:
+                              expert_capacity: int = 0,
+                              padded_rows: int = 0) -> Tuple[Tensor, Tensor]:
     """Gradients of finalize routing w.r.t. expanded_x and scales (V2Grad, §3, D4-D7).
 
     grad_y: (R, H); expanded_row_idx: (R*K,) int32 in ROW layout (r*K + k). Mode 0 (dropless):
@@ -93,11 +97,12 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
     >= rows are skipped. Mode 1 (drop-pad): (expert_num, expert_capacity, H), -1 = dropped.
     Unaddressed rows are zero. grad_scales: (R, K) in scales' dtype, sum_j (expanded_x + bias)
     * grad_y (bias-only for skipped slots); (R, 1) zeros in grad_y's dtype without scales.
+    padded_rows > 0 (mode 0, active_num 0): the aligned layout of that many rows (D36).
     Errors: MoeError 161001/161002, 561103.
     """
     grad_y, idx, eidx = grad_y.contiguous(), expanded_row_idx.contiguous(), _contig(expert_idx)
     expanded_x, scales, bias = _contig(expanded_x), _contig(scales), _contig(bias)
-    attrs = (drop_pad_mode, active_num, expert_num, expert_capacity)
+    attrs = (drop_pad_mode, active_num, expert_num, expert_capacity, padded_rows)
     planned = _C.plan_moe_finalize_routing_grad(_dl(grad_y), _dl(idx), _dlo(expanded_x),
                                                 _dlo(scales), _dlo(eidx), _dlo(bias), *attrs)
     gex, gs = _execute(planned, grad_y)
@@ -106,7 +111,7 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
 
 @moe_finalize_routing_grad.register_fake
 def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, bias=None,
-      drop_pad_mode=0, active_num=0, expert_num=0, expert_capacity=0):
+      drop_pad_mode=0, active_num=0, expert_num=0, expert_capacity=0, padded_rows=0):
     _same_device("moe_finalize_routing_grad", ("grad_y", grad_y),
                  ("expanded_row_idx", expanded_row_idx), ("expanded_x", expanded_x),
                  ("scales", scales), ("expert_idx", expert_idx), ("bias", bias))
@@ -114,6 +119,8 @@ def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, b
     n = expanded_row_idx.shape[0]
     if drop_pad_mode == 1:
         gex = grad_y.new_empty((expert_num, expert_capacity, h))
+    elif padded_rows > 0:
+        gex = grad_y.new_empty((padded_rows, h))
     else:
         rows = active_num if 0 < active_num < n else n
         gex = grad_y.new_empty((rows, h))
@@ -129,9 +136,10 @@ def _present(t: Optional[Tensor]) -> bool:
 
 
 def _finalize_setup(ctx, inputs, output):
-    expanded_x, idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, k = _args(
-        inputs, (None,) * 7 + (0, 1))
+    expanded_x, idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, k, padded = _args(
+        inputs, (None,) * 7 + (0, 1, False))
     ctx.mode = 0 if drop_pad_mode is None else drop_pad_mode
+    ctx.padded = bool(padded)
     # The forward's own K (L4: scales, expert_idx, or len(idx) / R), so backward always agrees.
     rows = output.shape[0]
     ctx.k = idx.shape[0] // rows if rows > 0 else (1 if k is None else k)
@@ -167,8 +175,8 @@ def _(grad_y, expert_idx, scales, expert_num):
 def _finalize_backward(ctx, grad_out):
     # Every differentiable input gets its gradient (D23): x1 and x2 receive grad_y, bias the
     # per-expert sum, expanded_x and scales the V2Grad op's outputs; modes 2/3 too.
-    needs = _needs(ctx, 9)
-    grads = [None] * 9
+    needs = _needs(ctx, 10)
+    grads = [None] * 10
     for i, (shape, dtype, device) in ctx.empty.items():
         if needs[i]:
             grads[i] = torch.zeros(shape, dtype=dtype, device=device)
@@ -193,13 +201,17 @@ def _finalize_backward(ctx, grad_out):
     if not ctx.has_scales and top_k > 1:
         scales = torch.ones((rows, top_k), dtype=grad_out.dtype, device=grad_out.device)
     grad_mode = ctx.mode % 2  # 0/2 dropless, 1/3 drop-pad
+    padded_rows = 0
     if grad_mode == 1:
         active_num, expert_num, capacity = 0, expanded_x.shape[0], expanded_x.shape[1]
+    elif ctx.padded:  # the aligned layout (D36): its own row count
+        active_num, expert_num, capacity = 0, 0, 0
+        padded_rows = expanded_x.shape[0]
     else:
         active_num, expert_num, capacity = expanded_x.shape[0], 0, 0
     gex, gs = moe_finalize_routing_grad(grad_out, idx, expanded_x, scales, expert_idx,
                                         bias if scales is not None else None, grad_mode,
-                                        active_num, expert_num, capacity)
+                                        active_num, expert_num, capacity, padded_rows)
     grads[0] = gex if want_x else None
     if want_s:
         grads[5] = gs

@@ -125,15 +125,18 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
                 "length must equal R * K (", R, " * ", K, "); got ", n_idx);
   if (bias) v.check_shape(bias->shape[0] >= 1, "bias", "dim 0 (E) must be >= 1; got ", bias->shape[0]);
   if (bias && drop_pad) v.dim(*bias, "bias", 0, ex->shape[0], "expanded_x's expert count E");
-  if (!drop_pad) {
-    // Fewer rows than R*K is an active_num-truncated expanded_x (L5); more is a caller bug.
+  v.check_shape(!a.padded || !drop_pad, "padded",
+                "must be false in drop-pad modes (1, 3); got true with drop_pad_mode ", mode);
+  if (!drop_pad && !a.padded) {
+    // Fewer rows than R*K is an active_num-truncated expanded_x (L5); more is a caller bug
+    // unless the layout is padded (D36).
     v.check_shape(ex->shape[0] <= RK, "expanded_x",
                   "dim 0 must be <= R * K (", RK, ") in dropless modes; got ", ex->shape[0]);
   }
   if (with_outputs) v.shape(*out, "out", {R, H});
 
   const int64_t rows = drop_pad ? mul_sat(ex->shape[0], ex->shape[1]) : ex->shape[0];
-  check_expanded_row_idx(v, *idx, drop_pad ? rows : RK);
+  check_expanded_row_idx(v, *idx, drop_pad || a.padded ? rows : RK);
   if (bias) check_index_range(v, kErrInnerNullptr, *eidx, "expert_idx", 0, bias->shape[0]);
 
   p.expanded_x = *ex;
@@ -254,7 +257,16 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   const int64_t RK = mul_sat(R, K);
   int64_t rows;
   Shape gex_shape;
-  if (mode == 0) {
+  v.check_shape(a.padded_rows >= 0, "padded_rows", "must be >= 0; got ", a.padded_rows);
+  const bool padded = a.padded_rows > 0;
+  if (padded) {
+    v.check_shape(mode == 0 && a.active_num == 0, "padded_rows",
+                  "must be 0 unless drop_pad_mode = 0 and active_num = 0; got ", a.padded_rows);
+  }
+  if (padded) {  // D36: the aligned layout of init routing
+    rows = a.padded_rows;
+    gex_shape = {rows, H};
+  } else if (mode == 0) {
     rows = (a.active_num > 0 && a.active_num < RK) ? a.active_num : RK;
     gex_shape = {rows, H};
   } else {
@@ -266,7 +278,8 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   }
   if (ex_used) {
     if (mode == 0) {
-      v.dim(*ex_used, "expanded_x", 0, rows, "the expanded row count (R * K or active_num)");
+      v.dim(*ex_used, "expanded_x", 0, rows,
+            padded ? "padded_rows" : "the expanded row count (R * K or active_num)");
     } else {
       v.check_shape(mul_sat(ex_used->shape[0], ex_used->shape[1]) == rows, "expanded_x",
                     "dims 0 and 1 must multiply to expert_num * expert_capacity (", rows,
@@ -291,7 +304,7 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
     }
     v.shape(*gs, "grad_scales", gs_shape);
   }
-  check_expanded_row_idx(v, *idx, mode == 1 ? rows : RK);
+  check_expanded_row_idx(v, *idx, mode == 1 || padded ? rows : RK);
   if (bias_used) check_index_range(v, kErrInnerNullptr, *eidx_used, "expert_idx", 0, bias_used->shape[0]);
 
   p.grad_y = *gy;

@@ -2,6 +2,7 @@
 #include "ops/gating_topk/gating_topk.h"
 
 #include <cmath>
+#include <vector>
 
 #include "core/check.h"
 #include "core/backend.h"
@@ -14,6 +15,32 @@ namespace {
 constexpr int64_t kMaxExperts = 2048;
 
 int64_t round_up32(int64_t v) { return (v + 31) / 32 * 32; }
+
+// norm_type, renorm, routed_scaling_factor and eps as the gating forward checks them (§2.5).
+template <typename Attrs>
+void check_norm_attrs(const Validator& v, const Attrs& a) {
+  v.check_shape(a.norm_type >= 0 && a.norm_type <= 2, "norm_type",
+                "must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type);
+  v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm", "must be 0 or 1; got ", a.renorm);
+  v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
+                "must be finite; got ", a.routed_scaling_factor);
+  v.check_shape(std::isfinite(a.eps), "eps", "must be finite; got ", a.eps);
+}
+
+// Host replay ids (D34): no id twice within a row (the range is checked before), 161002 naming
+// the row and the value.
+template <typename I>
+void check_rows_distinct(const Validator& v, const I* idx, int64_t M, int64_t K, int64_t N) {
+  std::vector<int64_t> seen(static_cast<size_t>(N), -1);  // the last row that used each id
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = static_cast<int64_t>(idx[r * K + k]);
+      v.check(seen[e] != r, kErrParamInvalid, "expert_idx",
+              "each expert id at most once per row; got ", e, " twice in row ", r);
+      seen[e] = r;
+    }
+  }
+}
 }  // namespace
 
 GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias,
@@ -78,12 +105,7 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
                   "group_count * roundup32(N / group_count) must be <= 2048; got ",
                   a.group_count * round_up32(group_size));
   }
-  v.check_shape(a.norm_type >= 0 && a.norm_type <= 2, "norm_type",
-                "must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus); got ", a.norm_type);
-  v.check_shape(a.renorm == 0 || a.renorm == 1, "renorm", "must be 0 or 1; got ", a.renorm);
-  v.check_shape(std::isfinite(a.routed_scaling_factor), "routed_scaling_factor",
-                "must be finite; got ", a.routed_scaling_factor);
-  v.check_shape(std::isfinite(a.eps), "eps", "must be finite; got ", a.eps);
+  check_norm_attrs(v, a);
   if (with_outputs) {
     v.shape(*y, "y", {M, a.k});
     v.shape(*expert_idx, "expert_idx", {M, a.k});
@@ -177,6 +199,83 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   return p;
 }
 
+GatingReplayPlan validate_gating_replay(const TensorView* x, const TensorView* expert_idx,
+                                        const TensorView* bias, const GatingReplayAttrs& a,
+                                        const TensorView* y, const TensorView* norm_out,
+                                        bool with_outputs) {
+  Validator v("moe_gating_replay", kErrTiling);
+  GatingReplayPlan p;
+  p.op = v.op();
+  p.shape_code = v.shape_code();
+  v.present(x, "x");
+  v.present(expert_idx, "expert_idx");
+  if (with_outputs) {
+    v.present(y, "y");
+    v.present(norm_out, "norm_out");
+  }
+  // Dtypes and layouts: 161002, as the forward (§2.5).
+  v.dtype_in(*x, "x", kFloatTypes);
+  v.index_dtype(*expert_idx, "expert_idx");
+  if (bias) v.same_dtype(*bias, "bias", x->dtype, "x's dtype");
+  if (with_outputs) {
+    v.same_dtype(*y, "y", x->dtype, "x's dtype");
+    v.same_dtype(*norm_out, "norm_out", DType::kFloat32, "float32");
+  }
+  p.backend = select_backend(v, {{"x", x}, {"expert_idx", expert_idx}, {"bias", bias},
+                                 {"y", y}, {"norm_out", norm_out}});
+  v.contiguous(*x, "x");
+  v.contiguous(*expert_idx, "expert_idx");
+  if (bias) v.contiguous(*bias, "bias");
+  if (with_outputs) {
+    v.contiguous(*y, "y");
+    v.contiguous(*norm_out, "norm_out");
+  }
+  // Shapes and attributes: 561002.
+  v.rank(*x, "x", 2);
+  const int64_t N = x->shape[1];
+  v.check_shape(N >= 1 && N <= kMaxExperts, "x",
+                "expert count N (dim 1) must satisfy 1 <= N <= 2048; got ", N);
+  v.rank(*expert_idx, "expert_idx", 2);
+  const int64_t M = v.agree("token count M", {dim_claim(*x, "x", 0),
+                                              dim_claim(*expert_idx, "expert_idx", 0)});
+  const int64_t K = expert_idx->shape[1];
+  v.check_shape(K >= 1 && K <= N, "expert_idx",
+                "top-k K (dim 1) must satisfy 1 <= K <= N (", N, "); got ", K);
+  if (bias) {
+    v.rank(*bias, "bias", 1);
+    v.dim(*bias, "bias", 0, N, "the expert count N of x");
+  }
+  check_norm_attrs(v, a);
+  if (with_outputs) {
+    v.shape(*y, "y", {M, K});
+    v.shape(*norm_out, "norm_out", {M, N});
+  }
+  // D34 / D6: host ids lie in [0, N) and differ within a row (161002); device ids are skipped
+  // by the kernel when out of range.
+  check_index_range(v, kErrParamInvalid, *expert_idx, "expert_idx", 0, N);
+  if (expert_idx->device == Device::kCPU) {
+    if (expert_idx->dtype == DType::kInt64) {
+      check_rows_distinct(v, static_cast<const int64_t*>(expert_idx->data), M, K, N);
+    } else {
+      check_rows_distinct(v, static_cast<const int32_t*>(expert_idx->data), M, K, N);
+    }
+  }
+  p.x = *x;
+  p.expert_idx = *expert_idx;
+  if (with_outputs) {
+    p.y = *y;
+    p.norm_out = *norm_out;
+  }
+  p.attrs = a;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.place(*x, with_outputs);
+  p.add_output("y", {M, K}, x->dtype);
+  p.add_output("norm_out", {M, N}, DType::kFloat32);
+  return p;
+}
+
 namespace {
 const KernelTable<GatingTopKPlan> kForward = {
     {gating_top_k_cpu_size, gating_top_k_cpu},
@@ -184,6 +283,9 @@ const KernelTable<GatingTopKPlan> kForward = {
 const KernelTable<GatingTopKBackwardPlan> kBackward = {
     {gating_top_k_backward_cpu_size, gating_top_k_backward_cpu},
     MOEGRAD_CUDA_ENTRY(gating_top_k_backward_cuda_size, gating_top_k_backward_cuda)};
+const KernelTable<GatingReplayPlan> kReplay = {
+    {gating_replay_cpu_size, gating_replay_cpu},
+    MOEGRAD_CUDA_ENTRY(gating_replay_cuda_size, gating_replay_cuda)};
 }  // namespace
 
 ExecutorPtr plan_moe_gating_top_k(const TensorView* x, const TensorView* bias,
@@ -228,6 +330,26 @@ std::vector<Shape> infer_moe_gating_top_k_backward(const TensorView* x_norm,
   GatingTopKBackwardPlan p =
       validate_gating_top_k_backward(x_norm, grad_y, expert_idx, attrs, nullptr, false);
   return {{p.M, p.N}};
+}
+
+ExecutorPtr plan_moe_gating_replay(const TensorView* x, const TensorView* expert_idx,
+                                   const TensorView* bias, const GatingReplayAttrs& attrs,
+                                   const TensorView* y, const TensorView* norm_out) {
+  return make_executor(validate_gating_replay(x, expert_idx, bias, attrs, y, norm_out, true),
+                       kReplay);
+}
+
+ExecutorPtr prepare_moe_gating_replay(const TensorView* x, const TensorView* expert_idx,
+                                      const TensorView* bias, const GatingReplayAttrs& attrs) {
+  return make_executor(
+      validate_gating_replay(x, expert_idx, bias, attrs, nullptr, nullptr, false), kReplay);
+}
+
+std::vector<Shape> infer_moe_gating_replay(const TensorView* x, const TensorView* expert_idx,
+                                           const TensorView* bias,
+                                           const GatingReplayAttrs& attrs) {
+  GatingReplayPlan p = validate_gating_replay(x, expert_idx, bias, attrs, nullptr, nullptr, false);
+  return {{p.M, p.K}, {p.M, p.N}};
 }
 
 }  // namespace moegrad

@@ -140,6 +140,51 @@ void Normalise(const float* logits, int64_t n, int64_t norm_type, float* norm) {
   }
 }
 
+// One row's weights (§2.4 steps 5-7): y[k] = rsf * the score of expert order[k], renormalised
+// over the K gathered scores (summed in slot order) when `renorm`. Ids outside [0, N) (device
+// replay ids, D6) count as score 0.
+template <typename T>
+HWY_INLINE void WriteWeights(const float* norm, const int32_t* order, int64_t N, int64_t K,
+                             bool renorm, float rsf, float eps, T* y) {
+  auto score = [&](int64_t k) {
+    const int32_t e = order[k];
+    return e >= 0 && e < N ? norm[e] : 0.0f;
+  };
+  float sum = 0.0f;
+  for (int64_t k = 0; k < K; ++k) sum += score(k);
+  const float denom = sum + eps;
+  for (int64_t k = 0; k < K; ++k) {
+    const float g = score(k);
+    const float w = renorm ? g / denom : g;
+    y[k] = from_f32<T>(w * rsf);
+  }
+}
+
+// Replay (§2.8, D34): the forward without selection; the ids come from expert_idx. norm_out is
+// always written (the backward needs it).
+template <typename T>
+void ReplayRows(const GatingReplayPlan& p, const int32_t* idx, const Workspace& ws, int tid,
+                int64_t begin, int64_t end) {
+  const GatingReplayAttrs& a = p.attrs;
+  const int64_t N = p.N, K = p.K;
+  const size_t np = padded(static_cast<size_t>(N));
+  float* logits = ws.get<float>(p.ws_rows, tid);  // 2 padded rows: logits, norm
+  std::fill(logits, logits + 2 * np, 0.0f);
+  float* norm = logits + np;
+  const T* x = typed<T>(p.x);
+  T* y = typed<T>(p.y);
+  float* norm_out = typed<float>(p.norm_out);
+  const bool renorm = renormalises(a.norm_type, a.renorm, a.no_renorm);
+  const float rsf = static_cast<float>(a.routed_scaling_factor);
+  const float eps = static_cast<float>(a.eps);
+  for (int64_t r = begin; r < end; ++r) {
+    load_chunk(x + r * N, logits, N);
+    Normalise(logits, N, a.norm_type, norm);
+    WriteWeights(norm, idx + r * K, N, K, renorm, rsf, eps, y + r * K);
+    std::memcpy(norm_out + r * N, norm, sizeof(float) * N);
+  }
+}
+
 template <typename T>
 void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t begin,
                  int64_t end) {
@@ -165,7 +210,7 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
   float* norm_out = typed<float>(p.norm_out);
   const float rsf = static_cast<float>(a.routed_scaling_factor);
   const float eps = static_cast<float>(a.eps);
-  const bool renorm = a.norm_type != 0 || a.renorm == 1;
+  const bool renorm = renormalises(a.norm_type, a.renorm, a.no_renorm);
 
   for (int64_t r = begin; r < end; ++r) {
     load_chunk(x + r * N, logits, N);
@@ -203,16 +248,8 @@ void ForwardRows(const GatingTopKPlan& p, const Workspace& ws, int tid, int64_t 
     }
     SelectTopK(keys, n_cand, static_cast<int32_t>(K), best, scratch);
     for (int64_t k = 0; k < K; ++k) order[k] = key_index(best[k]);
-
-    float sum = 0.0f;
-    for (int64_t k = 0; k < K; ++k) sum += norm[order[k]];
-    const float denom = sum + eps;
-    for (int64_t k = 0; k < K; ++k) {
-      const float g = norm[order[k]];
-      const float w = renorm ? g / denom : g;
-      y[r * K + k] = from_f32<T>(w * rsf);
-      idx[r * K + k] = order[k];
-    }
+    WriteWeights(norm, order, N, K, renorm, rsf, eps, y + r * K);
+    for (int64_t k = 0; k < K; ++k) idx[r * K + k] = order[k];
     float* nrow = norm_out + r * N;
     if (a.out_flag) {
       std::memcpy(nrow, norm, sizeof(float) * N);
@@ -760,7 +797,7 @@ void BackwardRows(const GatingTopKBackwardPlan& p, const int32_t* idx, int64_t b
   const int64_t N = p.N, K = p.K;
   const size_t Nz = static_cast<size_t>(N);
   const int64_t norm_type = p.attrs.norm_type;
-  const BackwardScalars c{norm_type != 0 || p.attrs.renorm == 1, norm_type,
+  const BackwardScalars c{renormalises(norm_type, p.attrs.renorm, p.attrs.no_renorm), norm_type,
                           static_cast<float>(p.attrs.routed_scaling_factor),
                           static_cast<float>(p.attrs.eps)};
 #if MOEGRAD_SIMD_AVX512
@@ -820,6 +857,16 @@ void GatingForward(const GatingTopKPlan& p, const Workspace& ws) {
   });
 }
 
+void GatingReplay(const GatingReplayPlan& p, const Workspace& ws) {
+  const int32_t* idx = index32(p.expert_idx, ws.get<int32_t>(p.ws_idx));
+  dispatch_float(p.x.dtype, "x", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    parallel_rows(p.M, p.threads, [&](int tid, int64_t b, int64_t e) {
+      ReplayRows<T>(p, idx, ws, tid, b, e);
+    });
+  });
+}
+
 void GatingBackward(const GatingTopKBackwardPlan& p, const Workspace& ws) {
   const int32_t* idx = index32(p.expert_idx, ws.get<int32_t>(p.ws_idx));
   dispatch_float(p.grad_y.dtype, "grad_y", [&](auto tag) {
@@ -837,6 +884,7 @@ HWY_AFTER_NAMESPACE();
 namespace moegrad {
 HWY_EXPORT(GatingForward);
 HWY_EXPORT(GatingBackward);
+HWY_EXPORT(GatingReplay);
 
 namespace {
 // Rows per chunk: enough work per thread to amortise the fork.
@@ -869,6 +917,17 @@ void gating_top_k_backward_cpu_size(GatingTopKBackwardPlan& p, WorkspaceLayout& 
 void gating_top_k_backward_cpu(const GatingTopKBackwardPlan& plan, const Workspace& ws, void*) {
   advise_output(plan.grad_x);
   HWY_DYNAMIC_DISPATCH(GatingBackward)(plan, ws);
+}
+
+void gating_replay_cpu_size(GatingReplayPlan& p, WorkspaceLayout& layout) {
+  p.threads = plan_threads(p.M, grain_for(p.N));
+  p.ws_rows = layout.add<float>(2 * padded_max(p.N), p.threads);
+  p.ws_idx = index_scratch(layout, p.expert_idx);
+}
+
+void gating_replay_cpu(const GatingReplayPlan& plan, const Workspace& ws, void*) {
+  advise_output(plan.norm_out);
+  HWY_DYNAMIC_DISPATCH(GatingReplay)(plan, ws);
 }
 }  // namespace moegrad
 #endif  // HWY_ONCE

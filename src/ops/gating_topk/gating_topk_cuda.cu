@@ -55,6 +55,44 @@ __device__ __forceinline__ void warp_top_k(int count, int k, int base, KeyFn key
   }
 }
 
+// norm[0..N) = softmax / sigmoid / sqrt-softplus of the row xr in fp32, by one warp; scratch
+// (N floats) holds the widened logits for softmax. Shared by the forward and the replay.
+template <typename T>
+__device__ __forceinline__ void warp_normalise(const T* xr, int N, int norm_type, float* scratch,
+                                               float* norm) {
+  const int lane = threadIdx.x & 31;
+  float* score = scratch;
+  if (norm_type == 0) {
+    float m = -INFINITY;
+    bool has_nan = false;
+    for (int j = lane; j < N; j += 32) {
+      const float l = ld(xr + j);
+      score[j] = l;
+      has_nan |= isnan(l);
+      m = l > m ? l : m;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float w = __shfl_xor_sync(0xffffffffu, m, o);
+      m = w > m ? w : m;
+    }
+    has_nan = __any_sync(0xffffffffu, has_nan);
+    float part = 0.0f;
+    for (int j = lane; j < N; j += 32) {
+      const float d = score[j] - m;
+      const float e = isnan(d) ? d : expf(d);
+      norm[j] = e;
+      part += e;
+    }
+    const float inv = has_nan ? __int_as_float(0x7fc00000) : 1.0f / warp_sum(part);
+    for (int j = lane; j < N; j += 32) norm[j] *= inv;
+  } else if (norm_type == 1) {
+    for (int j = lane; j < N; j += 32) norm[j] = sigmoid_stable(ld(xr + j));
+  } else {
+    for (int j = lane; j < N; j += 32) norm[j] = sqrt_softplus(ld(xr + j));
+  }
+}
+
 // ---- per-lane partial top-k with a warp merge ----
 
 constexpr int kMergeK = 8;  // k of the merge path (DeepSeek-V3, Qwen3, Mixtral, GPT-OSS)
@@ -178,38 +216,7 @@ __global__ void gating_fwd_kernel(FwdParams p) {
 
   for (int64_t r = int64_t{blockIdx.x} * wpb + warp; r < p.M; r += int64_t{gridDim.x} * wpb) {
     const T* xr = x + r * N;
-    // Normalise (softmax / sigmoid / sqrt-softplus), fp32.
-    if (p.norm_type == 0) {
-      float m = -INFINITY;
-      bool has_nan = false;
-      for (int j = lane; j < N; j += 32) {
-        const float l = ld(xr + j);
-        score[j] = l;
-        has_nan |= isnan(l);
-        m = l > m ? l : m;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, m, o);
-        m = w > m ? w : m;
-      }
-      has_nan = __any_sync(0xffffffffu, has_nan);
-      float part = 0.0f;
-      for (int j = lane; j < N; j += 32) {
-        const float d = score[j] - m;
-        const float e = isnan(d) ? d : expf(d);
-        norm[j] = e;
-        part += e;
-      }
-      const float inv = has_nan ? __int_as_float(0x7fc00000) : 1.0f / warp_sum(part);
-      for (int j = lane; j < N; j += 32) norm[j] *= inv;
-    } else if (p.norm_type == 1) {
-      for (int j = lane; j < N; j += 32) norm[j] = sigmoid_stable(ld(xr + j));
-    } else {
-      for (int j = lane; j < N; j += 32) {
-        norm[j] = sqrt_softplus(ld(xr + j));
-      }
-    }
+    warp_normalise(xr, N, p.norm_type, score, norm);
     for (int j = lane; j < N; j += 32) score[j] = p.has_bias ? norm[j] + ld(bias + j) : norm[j];
     __syncwarp();
 
@@ -281,6 +288,51 @@ __global__ void gating_fwd_kernel(FwdParams p) {
     }
     float* nr = p.norm_out + r * N;
     for (int j = lane; j < N; j += 32) nr[j] = p.out_flag ? norm[j] : 0.0f;
+    __syncwarp();  // shared rows are rewritten by the next token
+  }
+}
+
+struct ReplayParams {
+  const void* x;
+  const int32_t* idx;
+  void* y;
+  float* norm_out;
+  int64_t M;
+  int N, K, norm_type;
+  bool renorm;
+  float rsf, eps;
+};
+
+// Replay (§2.8, D34): one warp per token normalises the row into shared memory (2N floats per
+// warp: logits, scores), then every lane sums the K selected scores in slot order (the CPU's
+// order, so the same bits) and writes its slots. Device ids outside [0, N) count as score 0 and
+// are never read (D6).
+template <typename T>
+__global__ void gating_replay_kernel(ReplayParams p) {
+  extern __shared__ float smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+  const int N = p.N, K = p.K;
+  float* scratch = smem + warp * 2 * N;
+  float* norm = scratch + N;
+  const T* x = static_cast<const T*>(p.x);
+  for (int64_t r = int64_t{blockIdx.x} * wpb + warp; r < p.M; r += int64_t{gridDim.x} * wpb) {
+    warp_normalise(x + r * N, N, p.norm_type, scratch, norm);
+    __syncwarp();
+    const int32_t* er = p.idx + r * K;
+    auto score = [&](int k) {
+      const int32_t e = er[k];
+      return e >= 0 && e < N ? norm[e] : 0.0f;
+    };
+    float sum = 0.0f;
+    for (int k = 0; k < K; ++k) sum += score(k);
+    const float denom = sum + p.eps;
+    T* yr = static_cast<T*>(p.y) + r * K;
+    for (int k = lane; k < K; k += 32) {
+      const float g = score(k);
+      st(yr + k, (p.renorm ? g / denom : g) * p.rsf);
+    }
+    float* nr = p.norm_out + r * N;
+    for (int j = lane; j < N; j += 32) nr[j] = norm[j];
     __syncwarp();  // shared rows are rewritten by the next token
   }
 }
@@ -389,6 +441,30 @@ __global__ void gating_bwd_kernel(BwdParams p) {
 }
 
 
+// The expert_idx input of the backward and the replay (both read [M, K] ids in [0, N)): stage
+// one reserves its int32 copy and, in strict mode (L46), the check's scratch; stage two narrows
+// it and runs the check.
+template <class Plan>
+void size_expert_idx(Plan& plan, WorkspaceLayout& layout) {
+  plan.ws_idx = index_scratch(layout, plan.expert_idx);
+  plan.strict_indices = strict_indices();
+  if (plan.strict_indices) {
+    plan.ws_strict =
+        layout.add<unsigned char>(static_cast<int64_t>(strict_ws_bytes(plan.N, false)));
+  }
+}
+
+template <class Plan>
+const int32_t* expert_idx32(const Plan& plan, const Workspace& ws, cudaStream_t s) {
+  const int32_t* idx =
+      device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_idx), s);
+  if (plan.strict_indices) {
+    strict_check(plan.op, kErrParamInvalid, "expert_idx", idx, plan.M * plan.K, 0, plan.N, false,
+                 ws.get<unsigned char>(plan.ws_strict), s);
+  }
+  return idx;
+}
+
 constexpr int kSmemBudget = 32 * 1024;  // per block, below the 48 KiB default limit
 
 int warps_for(int bytes_per_warp) {
@@ -421,7 +497,7 @@ void gating_top_k_cuda(const GatingTopKPlan& plan, const Workspace&, void* strea
   p.take = a.group_select_mode == 0 ? 1 : 2;
   p.norm_type = static_cast<int>(a.norm_type);
   p.has_bias = plan.has_bias;
-  p.renorm = a.norm_type != 0 || a.renorm == 1;
+  p.renorm = renormalises(a.norm_type, a.renorm, a.no_renorm);
   p.out_flag = a.out_flag;
   p.grouped = plan.grouped;
   p.rsf = static_cast<float>(a.routed_scaling_factor);
@@ -439,12 +515,7 @@ void gating_top_k_cuda(const GatingTopKPlan& plan, const Workspace&, void* strea
 }
 
 void gating_top_k_backward_cuda_size(GatingTopKBackwardPlan& plan, WorkspaceLayout& layout) {
-  plan.ws_idx = index_scratch(layout, plan.expert_idx);
-  plan.strict_indices = strict_indices();
-  if (plan.strict_indices) {
-    plan.ws_strict = layout.add<unsigned char>(
-        static_cast<int64_t>(cuda::strict_ws_bytes(plan.N, false)));
-  }
+  cuda::size_expert_idx(plan, layout);
 }
 
 void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Workspace& ws,
@@ -453,12 +524,7 @@ void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Worksp
   if (plan.M == 0) return;
   set_device(plan.op, plan.device_id);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const int32_t* idx =
-      device_index32(plan.op, plan.expert_idx, ws.get<int32_t>(plan.ws_idx), s);
-  if (plan.strict_indices) {
-    strict_check(plan.op, kErrParamInvalid, "expert_idx", idx, plan.M * plan.K, 0, plan.N, false,
-                 ws.get<unsigned char>(plan.ws_strict), s);
-  }
+  const int32_t* idx = expert_idx32(plan, ws, s);
   BwdParams p;
   p.x_norm = static_cast<const float*>(plan.x_norm.data);
   p.grad_y = plan.grad_y.data;
@@ -468,7 +534,7 @@ void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Worksp
   p.N = static_cast<int>(plan.N);
   p.K = static_cast<int>(plan.K);
   p.norm_type = static_cast<int>(plan.attrs.norm_type);
-  p.renorm = plan.attrs.norm_type != 0 || plan.attrs.renorm == 1;
+  p.renorm = renormalises(plan.attrs.norm_type, plan.attrs.renorm, plan.attrs.no_renorm);
   p.rsf = static_cast<float>(plan.attrs.routed_scaling_factor);
   p.eps = static_cast<float>(plan.attrs.eps);
   const int wpb = warps_for(2 * p.N * 4);
@@ -477,6 +543,39 @@ void gating_top_k_backward_cuda(const GatingTopKBackwardPlan& plan, const Worksp
   dispatch(plan.grad_y.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     gating_bwd_kernel<T><<<blocks, wpb * 32, smem, s>>>(p);
+  });
+  check_launch(plan.op);
+}
+
+void gating_replay_cuda_size(GatingReplayPlan& plan, WorkspaceLayout& layout) {
+  cuda::size_expert_idx(plan, layout);
+}
+
+void gating_replay_cuda(const GatingReplayPlan& plan, const Workspace& ws, void* stream) {
+  using namespace cuda;
+  if (plan.M == 0) return;
+  set_device(plan.op, plan.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int32_t* idx = expert_idx32(plan, ws, s);
+  const GatingReplayAttrs& a = plan.attrs;
+  ReplayParams p;
+  p.x = plan.x.data;
+  p.idx = idx;
+  p.y = plan.y.data;
+  p.norm_out = static_cast<float*>(plan.norm_out.data);
+  p.M = plan.M;
+  p.N = static_cast<int>(plan.N);
+  p.K = static_cast<int>(plan.K);
+  p.norm_type = static_cast<int>(a.norm_type);
+  p.renorm = renormalises(a.norm_type, a.renorm, a.no_renorm);
+  p.rsf = static_cast<float>(a.routed_scaling_factor);
+  p.eps = static_cast<float>(a.eps);
+  const int wpb = warps_for(2 * p.N * 4);
+  const size_t smem = static_cast<size_t>(wpb) * 2 * p.N * 4;
+  const unsigned int blocks = grid_blocks(plan.M, wpb);
+  dispatch(plan.x.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    gating_replay_kernel<T><<<blocks, wpb * 32, smem, s>>>(p);
   });
   check_launch(plan.op);
 }

@@ -36,7 +36,7 @@ int64_t host_max(const TensorView& t) {
 InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eidx,
                                       const InitRoutingAttrs& a, const TensorView* ex,
                                       const TensorView* idx, const TensorView* tokens,
-                                      bool with_outputs) {
+                                      const TensorView* offsets, bool with_outputs) {
   Validator v("moe_init_routing", kErrInnerNullptr);
   InitRoutingPlan p;
   v.present(x, "x");
@@ -50,21 +50,31 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   v.dtype_in(*x, "x", kFloatTypes);
   v.index_dtype(*eidx, "expert_idx");
   const TensorView* tok = a.expert_tokens_num_flag ? tokens : nullptr;
+  const bool aligned = a.align_block > 1;
+  if (with_outputs && aligned) v.present(offsets, "padded_offsets");
+  const TensorView* off = aligned && with_outputs ? offsets : nullptr;
   if (with_outputs) {
     v.same_dtype(*ex, "expanded_x", x->dtype, "x's dtype");
     v.same_dtype(*idx, "expanded_row_idx", DType::kInt32, "int32");
     if (tok) v.dtype_in(*tok, "expert_tokens_count_or_cumsum", {DType::kInt64, DType::kInt32});
+    if (off) v.same_dtype(*off, "padded_offsets", DType::kInt64, "int64");
   }
   p.backend = select_backend(v, {{"x", x}, {"expert_idx", eidx},
                                  {"expanded_x", with_outputs ? ex : nullptr},
                                  {"expanded_row_idx", with_outputs ? idx : nullptr},
-                                 {"expert_tokens_count_or_cumsum", tok}});
+                                 {"expert_tokens_count_or_cumsum", tok},
+                                 {"padded_offsets", off}});
+  // D36: the aligned layout has a CPU kernel only (the Python front computes it there).
+  v.check(!aligned || p.backend == Backend::kCPU, kErrParamInvalid, "align_block",
+          "aligned blocks (align_block > 1) are computed for host tensors only; got ",
+          a.align_block, " with tensors on ", backend_name(p.backend));
   v.contiguous(*x, "x");
   v.contiguous(*eidx, "expert_idx");
   if (with_outputs) {
     v.contiguous(*ex, "expanded_x");
     v.contiguous(*idx, "expanded_row_idx");
     if (tok) v.contiguous(*tok, "expert_tokens_count_or_cumsum");
+    if (off) v.contiguous(*off, "padded_offsets");
   }
 
   // Attributes: 561103.
@@ -86,6 +96,19 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   v.check_shape(a.row_idx_type == 0 || a.row_idx_type == 1, "row_idx_type",
                 "must be 0 (src->dst, gather) or 1 (dst->src, scatter); got ",
                 a.row_idx_type);
+  // D36: aligned blocks need the dropless layout with every row, the src->dst index and a known
+  // expert count (the row count of expanded_x depends on it).
+  v.check_shape(a.align_block >= 0 && a.align_block <= 4096, "align_block",
+                "must satisfy 0 <= align_block <= 4096 (0 and 1: off); got ", a.align_block);
+  if (aligned) {
+    v.check_shape(mode == 0, "drop_pad_mode",
+                  "must be 0 (dropless) with align_block > 1; got ", mode);
+    v.check_shape(a.active_num <= 0, "active_num",
+                  "must be 0 with align_block > 1 (every row is kept); got ", a.active_num);
+    v.check_shape(a.row_idx_type == 0, "row_idx_type",
+                  "must be 0 (src->dst) with align_block > 1; got ", a.row_idx_type);
+    v.check_shape(E > 0, "expert_num", "must be > 0 with align_block > 1; got ", E);
+  }
   if (a.expert_tokens_num_flag) {
     v.check_shape(a.expert_tokens_num_type >= 0 && a.expert_tokens_num_type <= 2,
                   "expert_tokens_num_type",
@@ -126,6 +149,10 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   if (mode == 0) {
     const int64_t A = a.active_num > 0 ? a.active_num : 0;
     rows = A > 0 ? std::min(A, N) : N;
+    // D36: at most align - 1 padding rows per block.
+    if (aligned) rows = add_sat(N, mul_sat(hi - lo, a.align_block - 1));
+    v.check_shape(rows <= kInt32Max, "align_block",
+                  "R * K + (experts) * (align_block - 1) must fit the int32 index; got ", rows);
     ex_shape = {rows, H};
   } else {
     v.check_shape(mul_sat(E, a.expert_capacity) <= kInt32Max, "expert_capacity",
@@ -139,10 +166,12 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   if (a.expert_tokens_num_flag) {
     tok_shape = token_type == 2 ? Shape{E, 2} : Shape{hi - lo};
   }
+  const Shape off_shape = {aligned ? hi - lo + 1 : 0};
   if (with_outputs) {
     v.shape(*ex, "expanded_x", ex_shape);
     v.shape(*idx, "expanded_row_idx", {N});
     if (tok) v.shape(*tok, "expert_tokens_count_or_cumsum", tok_shape);
+    if (off) v.shape(*off, "padded_offsets", off_shape);
   }
 
   // Expert id values (D28): with a window, ids outside it are excluded, not errors; without one
@@ -172,13 +201,16 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     p.expanded_x = *ex;
     p.expanded_row_idx = *idx;
     if (tok) p.expert_tokens = *tok;
+    if (off) p.padded_offsets = *off;
   }
   p.has_tokens = a.expert_tokens_num_flag;
+  p.align = aligned ? a.align_block : 1;
   p.place(*x, with_outputs);
   p.add_output("expanded_x", ex_shape, x->dtype);
   p.add_output("expanded_row_idx", {N}, DType::kInt32);
   p.add_output("expert_tokens_count_or_cumsum", tok_shape,
                tok ? tok->dtype : DType::kInt64, !a.expert_tokens_num_flag);
+  p.add_output("padded_offsets", off_shape, DType::kInt64, !aligned);
   p.R = R;
   p.K = K;
   p.H = H;
@@ -237,11 +269,22 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
   v.check_shape(N % K == 0, "expanded_row_idx",
                 "length must be a multiple of top_k (", K, "); got ", N);
   const int64_t R = N / K;
+  v.check_shape(a.padded_rows >= 0, "padded_rows", "must be >= 0; got ", a.padded_rows);
+  const bool padded = a.padded_rows > 0;
+  if (padded) {
+    v.check_shape(mode == 0 && a.active_num == 0, "padded_rows",
+                  "must be 0 unless drop_pad_mode = 0 and active_num = 0; got ", a.padded_rows);
+  }
   if (mode == 0) {
     v.rank(*gex, "grad_expanded_x", 2);
-    const int64_t want = a.active_num > 0 ? std::min(a.active_num, N) : N;
-    v.dim(*gex, "grad_expanded_x", 0, want,
-          a.active_num > 0 ? "min(active_num, R * K)" : "R * K (the length of expanded_row_idx)");
+    if (padded) {
+      v.dim(*gex, "grad_expanded_x", 0, a.padded_rows, "padded_rows");
+    } else {
+      const int64_t want = a.active_num > 0 ? std::min(a.active_num, N) : N;
+      v.dim(*gex, "grad_expanded_x", 0, want,
+            a.active_num > 0 ? "min(active_num, R * K)"
+                             : "R * K (the length of expanded_row_idx)");
+    }
   } else {
     v.rank(*gex, "grad_expanded_x", 3);
   }
@@ -252,7 +295,7 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
                 "row count must fit the int32 index; got ", rows);
   if (with_outputs) v.shape(*gx, "grad_x", {R, H});
   // D29: values in [-1, limit), each valid value at most once; the kernel skips -1 and d >= rows.
-  const int64_t limit = mode == 0 ? N : rows;
+  const int64_t limit = mode == 0 && !padded ? N : rows;
   check_index_range(v, kErrInnerNullptr, *idx, "expanded_row_idx", -1, limit);
   check_index_unique(v, kErrInnerNullptr, *idx, "expanded_row_idx", limit);
 
@@ -282,23 +325,25 @@ const KernelTable<InitRoutingGradPlan> kGrad = {
 ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
                                   const InitRoutingAttrs& attrs, const TensorView* expanded_x,
                                   const TensorView* expanded_row_idx,
-                                  const TensorView* expert_tokens) {
+                                  const TensorView* expert_tokens,
+                                  const TensorView* padded_offsets) {
   return make_executor(validate_init_routing(x, expert_idx, attrs, expanded_x, expanded_row_idx,
-                                             expert_tokens, true),
+                                             expert_tokens, padded_offsets, true),
                        kForward);
 }
 
 ExecutorPtr prepare_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
                                      const InitRoutingAttrs& attrs) {
   return make_executor(
-      validate_init_routing(x, expert_idx, attrs, nullptr, nullptr, nullptr, false), kForward);
+      validate_init_routing(x, expert_idx, attrs, nullptr, nullptr, nullptr, nullptr, false),
+      kForward);
 }
 
 std::vector<Shape> infer_moe_init_routing(const TensorView* x, const TensorView* expert_idx,
                                           const InitRoutingAttrs& attrs) {
   InitRoutingPlan p =
-      validate_init_routing(x, expert_idx, attrs, nullptr, nullptr, nullptr, false);
-  return {p.outputs[0].shape, p.outputs[1].shape, p.outputs[2].shape};
+      validate_init_routing(x, expert_idx, attrs, nullptr, nullptr, nullptr, nullptr, false);
+  return {p.outputs[0].shape, p.outputs[1].shape, p.outputs[2].shape, p.outputs[3].shape};
 }
 
 ExecutorPtr plan_moe_init_routing_grad(const TensorView* grad_expanded_x,

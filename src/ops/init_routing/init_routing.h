@@ -12,8 +12,9 @@
 namespace moegrad {
 
 struct InitRoutingPlan : PlanBase {
-  TensorView x, expert_idx, expanded_x, expanded_row_idx, expert_tokens;
+  TensorView x, expert_idx, expanded_x, expanded_row_idx, expert_tokens, padded_offsets;
   bool has_tokens = false;
+  int64_t align = 1;         // D36: each expert block starts at a multiple of align (1: off)
   int64_t R = 0, K = 0, H = 0;
   int64_t mode = 0;          // 0 dropless/active, 1 drop-pad
   int64_t rows = 0;          // rows of expanded_x viewed as (rows, H)
@@ -30,14 +31,15 @@ struct InitRoutingPlan : PlanBase {
   // starts [bins + 1] int32; chunk histograms [chunks, bins + 1] int32 (the last column counts
   // the slots outside the window).
   Slot ws_eidx, ws_sorted, ws_starts, ws_hist;
+  Slot ws_poff;  // D36: padded block starts [bins + 1] int32 (align > 1)
   // Large x (docs/decisions.md L113): the rows are copied in token order, each x row read once
   // and written to its slots' destinations; ws_dest [N] int32 holds each slot's destination
   // row (-1: none).
   bool source_order = false;
   Slot ws_dest;
   cuda::SlotSort cuda_sort;  // CUDA: the stable slot sort by expert id
-  std::array<TensorView*, 3> output_views() {
-    return {&expanded_x, &expanded_row_idx, &expert_tokens};
+  std::array<TensorView*, 4> output_views() {
+    return {&expanded_x, &expanded_row_idx, &expert_tokens, &padded_offsets};
   }
 };
 
@@ -52,7 +54,8 @@ struct InitRoutingGradPlan : PlanBase {
 InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* expert_idx,
                                       const InitRoutingAttrs& attrs, const TensorView* expanded_x,
                                       const TensorView* expanded_row_idx,
-                                      const TensorView* expert_tokens, bool with_outputs);
+                                      const TensorView* expert_tokens,
+                                      const TensorView* padded_offsets, bool with_outputs);
 InitRoutingGradPlan validate_init_routing_grad(const TensorView* grad_expanded_x,
                                                const TensorView* expanded_row_idx,
                                                const InitRoutingGradAttrs& attrs,

@@ -94,14 +94,35 @@ void grad_rows(const InitRoutingGradPlan& p, const int32_t* idx, int64_t begin, 
 
 }  // namespace
 
+// poff: the aligned block starts (D36, align > 1), else null.
 void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const int32_t* starts,
-                         int64_t n_act) {
+                         const int32_t* poff, int64_t n_act) {
   const int64_t K = p.K;
   const size_t rb = static_cast<size_t>(p.H * dtype_size(p.x.dtype));
   const unsigned char* x = static_cast<const unsigned char*>(p.x.data);
   unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
   const bool nt = stream_output(mul_sat(p.rows, static_cast<int64_t>(rb)));
-  if (p.mode == 0) {
+  if (poff) {
+    // Row j lies in the block b with poff[b] <= j < poff[b + 1]: its q-th row is the block's
+    // q-th sorted slot while q < the real count, padding (+0.0) after it; rows from
+    // poff[bins] on are +0.0 too.
+    const int64_t bins = p.hi - p.lo;
+    parallel_rows(p.rows, p.threads, [&](int, int64_t j0, int64_t j1) {
+      int64_t b = std::upper_bound(poff, poff + bins + 1, static_cast<int32_t>(j0)) - poff - 1;
+      for (int64_t j = j0; j < j1; ++j) {
+        while (b < bins && j >= poff[b + 1]) ++b;
+        const unsigned char* src = nullptr;
+        if (b < bins) {
+          const int64_t q = j - poff[b];
+          if (q < starts[b + 1] - starts[b]) {
+            src = x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb;
+          }
+        }
+        rows::StreamBytes(src, ex + j * rb, rb, nt);
+      }
+      hwy::FlushStream();
+    });
+  } else if (p.mode == 0) {
     parallel_rows(p.rows, p.threads, [&](int, int64_t d0, int64_t d1) {
       for (int64_t d = d0; d < d1; ++d) {
         const unsigned char* src =
@@ -239,8 +260,11 @@ void init_routing_cpu_size(InitRoutingPlan& p, WorkspaceLayout& layout) {
   p.ws_sorted = layout.add<int32_t>(N);
   p.ws_starts = layout.add<int32_t>(bins + 1);
   p.ws_hist = layout.add<int32_t>(p.chunks * (bins + 1));
-  // Token order once x no longer stays in the cache between the K reads of each of its rows.
-  p.source_order = mul_sat(p.R, p.H * dtype_size(p.x.dtype)) >= kSourceOrderMinBytes;
+  p.ws_poff = layout.add<int32_t>(p.align > 1 ? bins + 1 : 0);
+  // Token order once x no longer stays in the cache between the K reads of each of its rows
+  // (not for aligned blocks, whose padding rows the destination-order copy zeroes in passing).
+  p.source_order = p.align == 1 &&
+                   mul_sat(p.R, p.H * dtype_size(p.x.dtype)) >= kSourceOrderMinBytes;
   p.ws_dest = layout.add<int32_t>(p.source_order ? N : 0);
 }
 
@@ -254,6 +278,7 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
   const int64_t bins = p.comparison_sort ? 0 : std::max<int64_t>(hi - lo, 0);
   int32_t* starts = ws.get<int32_t>(p.ws_starts);
   int32_t* dest = p.source_order ? ws.get<int32_t>(p.ws_dest) : nullptr;  // slot -> row
+  int32_t* poff = p.align > 1 ? ws.get<int32_t>(p.ws_poff) : nullptr;   // D36 block starts
   int64_t n_act = 0;
 
   if (p.comparison_sort) {
@@ -292,6 +317,14 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
     }
     starts[bins] = static_cast<int32_t>(run);
     n_act = run;
+    if (poff) {  // D36: each block rounded up to a multiple of align
+      int64_t at = 0;
+      for (int64_t b = 0; b < bins; ++b) {
+        poff[b] = static_cast<int32_t>(at);
+        at += (starts[b + 1] - starts[b] + p.align - 1) / p.align * p.align;
+      }
+      poff[bins] = static_cast<int32_t>(at);
+    }
     const bool drop_pad = p.mode == 1;
     const int64_t cap = p.capacity;
     const bool gather = p.row_idx_type == 0;
@@ -308,7 +341,10 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
           const int32_t d = h[b]++;
           sorted[d] = static_cast<int32_t>(s);
           if (!gather && !dest) continue;
-          const int32_t row = init_routing_formula::dest_row(d, b, starts[b], drop_pad, cap);
+          // D36: aligned blocks (dropless only) start at poff[b].
+          const int32_t row =
+              poff ? static_cast<int32_t>(poff[b] + (d - starts[b]))
+                   : init_routing_formula::dest_row(d, b, starts[b], drop_pad, cap);
           if (gather) idx[s] = row;
           if (dest) dest[s] = row;
         }
@@ -334,7 +370,11 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
   if (dest) {
     HWY_DYNAMIC_DISPATCH(InitRoutingCopyBySource)(p, dest, starts, n_act);
   } else {
-    HWY_DYNAMIC_DISPATCH(InitRoutingCopyRows)(p, sorted, starts, n_act);
+    HWY_DYNAMIC_DISPATCH(InitRoutingCopyRows)(p, sorted, starts, poff, n_act);
+  }
+  if (poff) {
+    int64_t* out = static_cast<int64_t*>(p.padded_offsets.data);
+    for (int64_t b = 0; b <= bins; ++b) out[b] = poff[b];
   }
 
   if (p.has_tokens) {
