@@ -326,6 +326,14 @@ def parse_args(argv):
                         f"within {EP_LOSS_TOL:g}")
     o.add_argument("--sample", type=int, default=160,
                    help="bytes of text to sample from the moegrad model at the end (0: none)")
+    h = p.add_argument_group("a transformers architecture (needs moegrad[hf]; docs/hf.md)")
+    h.add_argument("--hf", default=None, metavar="ARCH",
+                   help="train a small transformers model of this architecture instead, "
+                        "patched by moegrad.hf and unpatched: qwen3_moe, qwen2_moe, olmoe, "
+                        "mixtral, deepseek_v3, gpt_oss, deepseek_v4")
+    h.add_argument("--hf-baseline", default="grouped_mm",
+                   choices=["grouped_mm", "eager", "batched_mm"],
+                   help="the unpatched model's experts implementation")
     a = p.parse_args(argv)
     if a.d_model % a.n_heads:
         p.error("--d-model must be a multiple of --n-heads")
@@ -344,6 +352,12 @@ def parse_args(argv):
         p.error("--seq and --batch must be >= 1")
     if a.ep < 1 or a.batch % a.ep or a.experts % a.ep:
         p.error("--ep must be >= 1 and divide --batch and --experts")
+    hf_archs = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss",
+                "deepseek_v4")
+    if a.hf is not None and a.hf not in hf_archs:
+        p.error(f"--hf must be one of {', '.join(hf_archs)}; got {a.hf!r}")
+    if a.hf is not None and (a.ep > 1 or a.calibrate or a.compare):
+        p.error("--hf trains on one process without --calibrate / --compare")
     return a
 
 
@@ -440,17 +454,18 @@ def printable(data: bytes) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else " " for c in text)
 
 
-def write_plot(path, loss_a, loss_b, label_a, first_mismatch=None):
+def write_plot(path, loss_a, loss_b, label_a, first_mismatch=None, label_b="plain PyTorch",
+               title="Tiny MoE byte-level LM: moegrad ops vs plain PyTorch"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5.5), dpi=110, sharex=True,
                                   gridspec_kw={"height_ratios": [3, 1]})
     steps = range(len(loss_a))
-    ax.plot(steps, loss_b, label="plain PyTorch", lw=2.5, alpha=0.55)
+    ax.plot(steps, loss_b, label=label_b, lw=2.5, alpha=0.55)
     ax.plot(steps, loss_a, label=label_a, lw=1.0, ls="--")
     ax.set_ylabel("training loss (nats / byte)")
-    ax.set_title("Tiny MoE byte-level LM: moegrad ops vs plain PyTorch")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     ax2.semilogy(steps, [max(abs(x - y), 1e-9) for x, y in zip(loss_a, loss_b)], lw=1.0)
@@ -518,6 +533,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         moegrad.set_num_threads(args.threads)
     try:
+        if args.hf is not None:
+            from moegrad import _demo_hf
+            return _demo_hf.run(args, device)
         if args.ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             return _run_ep(args, device)
         return _run(args, device)

@@ -8,6 +8,7 @@ torch.compile of the same formula, with bytes moved, achieved bandwidth and roof
     python -m moegrad.bench --from-json a.json,b.json --markdown results.md   # re-render, merge
     python -m moegrad.bench --overhead --threads 1  # per-call cost at T=16
     python -m moegrad.bench --layer                 # the MoE layer (moegrad.bench.layer)
+    python -m moegrad.bench --hf                    # transformers MoE blocks (moegrad.bench.hf)
     python -m moegrad.bench --device cuda           # the CUDA backend (moegrad.bench.cuda)
 
 Modules: ops (cases, byte counts, timing, the per-case run, the overhead mode), report (summary,
@@ -121,6 +122,9 @@ def main(argv=None) -> int:
     if "--layer" in argv:
         from .layer import main as layer_main
         return layer_main(argv)
+    if "--hf" in argv:
+        from .hf import main as hf_main
+        return hf_main(argv)
     args = parse_args(argv)
     if args.from_json:
         return report(args)

@@ -61,35 +61,56 @@ def _empty(like: Tensor, shape) -> Tensor:
     return t
 
 
+def _mm_layout(w: Tensor) -> bool:
+    """Each w[e] is a matrix BLAS reads in place: unit stride along one of its two dims (a
+    contiguous [E, A, B] tensor, or the transpose view of a contiguous [E, B, A] one)."""
+    return w.dim() == 3 and (w.stride(-1) == 1 or w.stride(-2) == 1)
+
+
+def _like_layout(like: Tensor, w: Tensor, alloc=None) -> Tensor:
+    """An uninitialised tensor shaped like w, in w's per-expert layout (row- or column-major):
+    the weight gradient a transposed view receives then reaches its parameter without a copy.
+    alloc(like, shape): _empty (real kernels) or new_empty (fake kernels)."""
+    alloc = _empty if alloc is None else alloc
+    if w.stride(-1) == 1 or w.shape[-1] == 1:
+        return alloc(like, w.shape)
+    return alloc(like, (w.shape[0], w.shape[2], w.shape[1])).transpose(1, 2)
+
+
 @_op("moegrad::grouped_mm")
-def _grouped_mm_op(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """x [rows, A] grouped by expert (counts [E]) times w [E, A, B] -> [rows, B]; rows past
-    sum(counts) are zero. One GEMM per expert written in place into its slice of the output,
-    and an opaque operator, so torch.compile keeps one graph around it."""
+def _grouped_mm_op(x: Tensor, w: Tensor, counts: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [rows, A] grouped by expert (counts [E]) times w [E, A, B] (+ bias [E, B] per expert)
+    -> [rows, B]; rows past sum(counts) are zero. One GEMM per expert written in place into its
+    slice of the output, and an opaque operator, so torch.compile keeps one graph around it."""
     sizes = _slices(counts, x.shape[0])
     out = _empty(x, (x.shape[0], w.shape[-1]))
     outs, xs = out.split(sizes), x.split(sizes)
     for e in range(len(sizes) - 1):
         if sizes[e]:
-            torch.mm(xs[e], w[e], out=outs[e])
+            if bias is None:
+                torch.mm(xs[e], w[e], out=outs[e])
+            else:
+                torch.addmm(bias[e], xs[e], w[e], out=outs[e])
     outs[-1].zero_()
     return out
 
 
 @_grouped_mm_op.register_fake
-def _(x, w, counts):
+def _(x, w, counts, bias=None):
     return x.new_empty((x.shape[0], w.shape[-1]))
 
 
 @_op("moegrad::grouped_mm_backward")
 def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, need_x: bool,
-                            need_w: bool) -> List[Tensor]:
-    """(grad_x [rows, A] or [0], grad_w [E, A, B] or [0]) of grouped_mm. grad_w is written expert
-    by expert into one stacked tensor: no per-expert full-size zero tensors (what autograd of
-    `xe @ w[e]` accumulates), and experts without rows get zeros."""
+                            need_w: bool, need_b: bool = False) -> List[Tensor]:
+    """(grad_x [rows, A] or [0], grad_w [E, A, B] in w's layout or [0], grad_bias [E, B] or
+    [0]) of grouped_mm. grad_w is written expert by expert into one stacked tensor: no
+    per-expert full-size zero tensors (what autograd of `xe @ w[e]` accumulates), and experts
+    without rows get zeros."""
     sizes = _slices(counts, x.shape[0])
     gx = _empty(grad, x.shape) if need_x else grad.new_empty((0,))
-    gw = _empty(grad, w.shape) if need_w else grad.new_empty((0,))
+    gw = _like_layout(grad, w) if need_w else grad.new_empty((0,))
+    gb = grad.new_empty((w.shape[0], w.shape[-1])) if need_b else grad.new_empty((0,))
     gs, xs = grad.split(sizes), x.split(sizes)
     gxs = gx.split(sizes) if need_x else None
     for e in range(len(sizes) - 1):
@@ -100,27 +121,34 @@ def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, 
                 torch.mm(xs[e].t(), gs[e], out=gw[e])
             else:
                 gw[e].zero_()
+        if need_b:
+            torch.sum(gs[e], 0, out=gb[e])
     if need_x:
         gxs[-1].zero_()
-    return [gx, gw]
+    return [gx, gw, gb]
 
 
 @_grouped_mm_backward_op.register_fake
-def _(grad, x, w, counts, need_x, need_w):
+def _(grad, x, w, counts, need_x, need_w, need_b=False):
     return [grad.new_empty(x.shape if need_x else (0,)),
-            grad.new_empty(w.shape if need_w else (0,))]
+            _like_layout(grad, w, Tensor.new_empty) if need_w else grad.new_empty((0,)),
+            grad.new_empty((w.shape[0], w.shape[-1]) if need_b else (0,))]
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    x, w, counts = inputs
+    x, w, counts = inputs[:3]
+    bias = inputs[3] if len(inputs) > 3 else None
+    ctx.has_bias = bias is not None
     ctx.save_for_backward(x, w, counts)
 
 
 def _grouped_mm_bwd(ctx, grad):
     x, w, counts = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    gx, gw = _grouped_mm_backward_op(grad.contiguous(), x, w, counts, need_x, need_w)
-    return (gx if need_x else None), (gw if need_w else None), None
+    need_b = ctx.has_bias and len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]
+    gx, gw, gb = _grouped_mm_backward_op(grad.contiguous(), x, w, counts, need_x, need_w,
+                                         need_b)
+    return (gx if need_x else None), (gw if need_w else None), None, (gb if need_b else None)
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
@@ -158,17 +186,20 @@ _grouped_mm_backward_op.register_autograd(_grouped_mm_backward_bwd,
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor,
-               host_counts: Optional[Tensor] = None) -> Tensor:
-    """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B].
-    torch._grouped_mm on CUDA bf16 sm90+, else the operator moegrad::grouped_mm (differentiable,
-    compiles without a graph break; it reads the expert sizes on the host, from host_counts (a
-    CPU copy of counts) when given: then a CUDA call syncs for neither its forward nor its
-    backward)."""
-    if _grouped_mm_ok(x, w) and x.shape[0] > 0:
+               host_counts: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
+    """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] (+ bias
+    [E, B], each expert's row added to its rows) -> [rows, B]. w may be the transpose view of a
+    contiguous [E, B, A] tensor (the layout transformers stores): it is read, and its gradient
+    written, in place, with no copy. torch._grouped_mm on CUDA bf16 sm90+ without bias, else the
+    operator moegrad::grouped_mm (differentiable, compiles without a graph break; it reads the
+    expert sizes on the host, from host_counts (a CPU copy of counts) when given: then a CUDA
+    call syncs for neither its forward nor its backward)."""
+    if bias is None and _grouped_mm_ok(x, w) and x.shape[0] > 0:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    return _grouped_mm_op(x.contiguous(), w.contiguous(),
-                          counts if host_counts is None else host_counts)
+    return _grouped_mm_op(x.contiguous(), w if _mm_layout(w) else w.contiguous(),
+                          counts if host_counts is None else host_counts,
+                          None if bias is None else bias.contiguous())
 
 
 # -------------------------------------------------------------------- expert-parallel comms --

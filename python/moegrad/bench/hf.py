@@ -1,0 +1,195 @@
+"""`python -m moegrad.bench --hf`: one forward + backward of the MoE block of transformers
+architectures, moegrad.hf against transformers' own experts backends (docs/hf.md,
+docs/performance.md "transformers MoE blocks").
+
+For each architecture and dtype, in one run and on the same block (same weights, input and
+upstream gradient):
+* moegrad: moegrad.hf.apply (router and experts);
+* transformers "eager" (its per-expert loop), "grouped_mm" (its default), and torch.compile of
+  the faster of those two;
+* the in-step split of each step into the expert GEMMs and everything else (CPU: the profiler's
+  self time of the GEMM ops inside the real step, the router's GEMMs counted as non-GEMM, as in
+  the layer benchmark), and the peak memory of a step.
+Shapes are scaled from the real models (H, I, E, K below; T tokens, default 512 so that the
+whole run fits a small machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Dict, List
+
+import torch
+
+import moegrad
+
+from .layer import _in_step_split, _peak_bytes, _time
+
+# arch -> (H, I, E, K, what it is scaled from)
+SHAPES = {
+    "qwen3_moe": (2048, 768, 128, 8, "Qwen3-30B-A3B (H=2048, I=768, E=128, K=8)"),
+    "qwen2_moe": (2048, 1408, 60, 4, "Qwen1.5-MoE-A2.7B (H=2048, I=1408, E=60, K=4, shared 5632)"),
+    "olmoe": (2048, 1024, 64, 8, "OLMoE-1B-7B (H=2048, I=1024, E=64, K=8)"),
+    "mixtral": (2048, 7168, 8, 2, "Mixtral-8x7B at half width (H=4096, I=14336, E=8, K=2)"),
+    "deepseek_v3": (2048, 1024, 64, 8, "DeepSeek-V3 scaled (H=7168, I=2048, E=256, K=8, "
+                                       "8 groups keep 4)"),
+    "gpt_oss": (2880, 2880, 32, 4, "GPT-OSS-20B (H=2880, I=2880, E=32, K=4)"),
+    "deepseek_v4": (2048, 1024, 64, 6, "DeepSeek-V4 scaled (sqrt-softplus router, clamp 10)"),
+}
+QUICK = (64, 32, 8, 2)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _block(arch: str, H: int, I_: int, E: int, K: int, dtype, device):
+    """(model, its first top-k-routed MoE block): a one-MoE-layer model of `arch`, random init."""
+    import transformers as tf
+
+    import moegrad.hf as mh
+    cfg = mh.small_config(arch, hidden=H, intermediate=I_, experts=E, top_k=K, layers=1,
+                          heads=max(H // 128, 2))
+    model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
+    model = model.to(device=device, dtype=dtype).train()
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts") and not getattr(layer.mlp, "is_hash", False):
+            return model, layer.mlp
+    raise RuntimeError(f"{arch}: no top-k MoE block")
+
+
+def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device: str,
+               reps: int, compile_best: bool = True, seed: int = 0) -> Dict:
+    import moegrad.hf as mh
+    torch.manual_seed(seed)
+    model, block = _block(arch, H, I_, E, K, dtype, device)
+    x = torch.randn(1, T, H, device=device, dtype=dtype)
+    g = torch.randn(1, T, H, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step(mod):
+        def f():
+            xi = x.detach().requires_grad_(True)
+            y = mod(xi)
+            (y[0] if isinstance(y, tuple) else y).backward(g)
+            block.zero_grad(set_to_none=True)
+        return f
+
+    res: Dict = dict(arch=arch, H=H, I=I_, E=E, K=K, T=T, device=device,
+                     dtype=str(dtype).replace("torch.", ""))
+    router = {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
+    fns = {}
+
+    def measure(name, fn):
+        fns[name] = fn
+        res[f"{name}_ms"] = _time(fn, reps, sync) * 1e3
+
+    for impl in ("eager", "grouped_mm"):
+        model.set_experts_implementation(impl)
+        measure(impl, step(block))
+        if device == "cpu":
+            sp = _in_step_split(fns[impl], reps, router)
+            res[f"{impl}_non_gemm_ms"] = sp["non_gemm_ms"]
+            res[f"{impl}_gemm_ms"] = sp["gemm_ms"]
+        res[f"{impl}_peak_mb"] = _peak_bytes(fns[impl], device) / 2**20
+    best = min(("eager", "grouped_mm"), key=lambda n: res[f"{n}_ms"])
+    res["best_transformers"] = best
+    if compile_best:
+        model.set_experts_implementation(best)
+        torch._dynamo.reset()
+        measure("compile", step(torch.compile(block)))
+    report = mh.apply(model)
+    res["patched"] = [f"{e.kind}: {e.detail}" for e in report.patched]
+    res["left_alone"] = [f"{e.kind}: {e.detail}" for e in report.left_alone]
+    measure("moegrad", step(block))
+    if device == "cpu":
+        sp = _in_step_split(fns["moegrad"], reps, router)
+        res["moegrad_non_gemm_ms"] = sp["non_gemm_ms"]
+        res["moegrad_gemm_ms"] = sp["gemm_ms"]
+    res["moegrad_peak_mb"] = _peak_bytes(fns["moegrad"], device) / 2**20
+    mh.revert(model)
+    fastest = min(res[f"{n}_ms"] for n in ("eager", "grouped_mm", "compile") if f"{n}_ms" in res)
+    res["speedup_vs_eager"] = res["eager_ms"] / res["moegrad_ms"]
+    res["speedup_vs_best"] = fastest / res["moegrad_ms"]
+    if "moegrad_non_gemm_ms" in res:
+        res["non_gemm_speedup_vs_grouped_mm"] = (res["grouped_mm_non_gemm_ms"]
+                                                 / res["moegrad_non_gemm_ms"])
+    res["peak_ratio_vs_grouped_mm"] = res["moegrad_peak_mb"] / res["grouped_mm_peak_mb"]
+    return res
+
+
+HEADER = ("| arch | dtype | T | moegrad ms | eager ms | grouped_mm ms | compile ms | "
+          "x eager | x best | non-GEMM ms moegrad / grouped_mm | x non-GEMM | peak MB moegrad / "
+          "grouped_mm |")
+
+
+def row(r: Dict) -> str:
+    def f(k, fmt="{:.1f}"):
+        v = r.get(k)
+        return "-" if v is None else fmt.format(v)
+    return (f"| {r['arch']} | {r['dtype']} | {r['T']} | {f('moegrad_ms')} | {f('eager_ms')} | "
+            f"{f('grouped_mm_ms')} | {f('compile_ms')} | {f('speedup_vs_eager', '{:.2f}')} | "
+            f"{f('speedup_vs_best', '{:.2f}')} | {f('moegrad_non_gemm_ms')} / "
+            f"{f('grouped_mm_non_gemm_ms')} | {f('non_gemm_speedup_vs_grouped_mm', '{:.2f}')} |"
+            f" {f('moegrad_peak_mb', '{:.0f}')} / {f('grouped_mm_peak_mb', '{:.0f}')} |")
+
+
+def main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m moegrad.bench --hf",
+                                description="Time one forward + backward of transformers MoE "
+                                            "blocks: moegrad.hf vs eager, grouped_mm, compile.")
+    p.add_argument("--hf", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--archs", default=",".join(SHAPES),
+                   help="comma-separated architectures")
+    p.add_argument("--tokens", type=int, default=512, help="T")
+    p.add_argument("--scale", type=int, default=1,
+                   help="divide H and I by this (a slow or busy machine); E and K stay")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny shapes (H, I, E, K = {QUICK}, T=64, 1 rep): a smoke test")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
+    a = p.parse_args(argv)
+    archs = a.archs.split(",")
+    unknown = [x for x in archs if x not in SHAPES]
+    if unknown:
+        p.error(f"--archs: unknown {unknown}; choose from {', '.join(SHAPES)}")
+    if a.quick:
+        a.tokens, a.reps = 64, 1
+    prev = (torch.get_num_threads(), moegrad.get_num_threads())
+    torch.set_num_threads(a.threads)
+    moegrad.set_num_threads(a.threads)
+    records = []
+    try:
+        print(HEADER)
+        print("|" + "---|" * (HEADER.count("|") - 1))
+        for arch in archs:
+            H, I_, E, K, _ = SHAPES[arch]
+            H, I_ = H // a.scale, I_ // a.scale
+            if a.quick:
+                H, I_, E, K = QUICK
+            for name in a.dtypes.split(","):
+                r = run_config(arch, H, I_, E, K, a.tokens, _DTYPES[name], a.device, a.reps,
+                               compile_best=not a.no_compile)
+                records.append(r)
+                print(row(r))
+                sys.stdout.flush()
+    finally:
+        torch.set_num_threads(prev[0])
+        moegrad.set_num_threads(prev[1])
+    meta = dict(torch=torch.__version__, threads=a.threads, device=a.device, tokens=a.tokens,
+                scale=a.scale,
+                shapes={k: SHAPES[k][4] for k in archs})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=2)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(HEADER + "\n" + "|" + "---|" * (HEADER.count("|") - 1) + "\n")
+            f.write("\n".join(row(r) for r in records) + "\n")
+    bad = [r for r in records if not math.isfinite(r["moegrad_ms"])]
+    return 1 if bad else 0

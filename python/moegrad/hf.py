@@ -1,0 +1,651 @@
+"""moegrad as a Hugging Face transformers backend (docs/hf.md; docs/decisions.md D37, L190-L197).
+
+Importing this module registers the experts implementation "moegrad" with transformers'
+``ExpertsInterface``, so that ``from_pretrained(..., experts_implementation="moegrad")`` or
+``model.set_experts_implementation("moegrad")`` runs every experts module it can serve on
+moegrad's operators:
+
+    moe_init_routing -> grouped GEMM (gate_up, + bias) -> swiglu_group or clipped_swiglu
+    -> grouped GEMM (down) -> moe_finalize_routing (+ down bias, scales = top_k_weights)
+
+``apply(model)`` also replaces the routers whose math moe_gating_top_k computes exactly, and
+returns a :class:`Report` of what it patched and what it left alone (with the reason);
+``revert(model)`` (or ``report.revert()``) restores the original modules. A module that does not
+map keeps its own code: nothing is ever computed differently from the unpatched model beyond
+floating-point rounding.
+
+Needs transformers >= 5 (``pip install moegrad[hf]``).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    from transformers.integrations import moe as _tf_moe
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+except ImportError as _e:  # pragma: no cover - exercised by a test with transformers hidden
+    raise ImportError(
+        "moegrad.hf needs Hugging Face transformers >= 5 (its ExpertsInterface): "
+        "install it with `pip install moegrad[hf]`") from _e
+
+import moegrad as _mg
+from moegrad._errors import ERR_PARAM_INVALID, MoeError
+from moegrad.nn import grouped_mm
+
+__all__ = ["IMPLEMENTATION", "Report", "Entry", "apply", "revert", "experts_forward"]
+
+IMPLEMENTATION = "moegrad"  # the experts_implementation name registered on import
+
+# The argument of moe_gating_top_k that turns renormalisation off for sigmoid / sqrt-softplus
+# scores; routers that need it are left alone where this build lacks it.
+_NO_RENORM = "no_renorm"
+
+
+def _has_no_renorm() -> bool:
+    try:
+        return _NO_RENORM in inspect.signature(_mg.moe_gating_top_k).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _err(arg: str, rule: str, got) -> MoeError:
+    return MoeError(f"moegrad.hf experts: {arg}: {rule}; got {got}", ERR_PARAM_INVALID)
+
+
+# ------------------------------------------------------------------------------ experts ----
+@dataclass(frozen=True)
+class _ExpertsPlan:
+    """How one experts module runs on moegrad: activation "swiglu" (SiLU gate, first half;
+    clamp -1 = none) or "clipped_swiglu" (GPT-OSS: interleaved, alpha, limit, up + 1)."""
+    activation: str
+    clamp: float = -1.0
+    alpha: float = 0.0
+    limit: float = 0.0
+
+    def describe(self) -> str:
+        if self.activation == "clipped_swiglu":
+            return f"clipped_swiglu (interleaved, alpha={self.alpha:g}, limit={self.limit:g})"
+        return "swiglu_group" + (f" (clamp {self.clamp:g})" if self.clamp > 0 else "")
+
+
+def _source(fn) -> Optional[str]:
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+
+
+def _is_silu(act) -> bool:
+    from transformers.activations import SiLUActivation
+    return type(act) in (SiLUActivation, nn.SiLU)
+
+
+def _gate_kind(cls) -> Tuple[Optional[str], str]:
+    """Which known gate function the experts class uses: "default" (act(gate) * up over the
+    two halves), "clamped" (DeepSeek-V4: gate <= limit, |up| <= limit, SiLU), "gpt_oss", or
+    None with the reason. Recognised by identity, or by identical source for copies."""
+    fn = getattr(cls, "_apply_gate", None)
+    if fn is None or fn is getattr(_tf_moe, "_default_apply_gate", None):
+        return "default", ""
+    src = _source(fn)
+    for kind, (module, qualname) in _KNOWN_GATES.items():
+        ref = _reference(module, qualname)
+        if ref is not None and (fn is ref or (src is not None and src == _source(ref))):
+            return kind, ""
+    return None, (f"its gate function {cls.__qualname__}._apply_gate is not one moegrad "
+                  f"computes")
+
+
+_KNOWN_GATES = {
+    "clamped": ("transformers.models.deepseek_v4.modeling_deepseek_v4",
+                "DeepseekV4Experts._apply_gate"),
+    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate"),
+}
+
+
+def _reference(module: str, qualname: str):
+    """A function or class of transformers by module path and qualified name (None if this
+    transformers has no such thing)."""
+    import importlib
+    try:
+        obj = importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - a missing or broken optional model module
+        return None
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _plan_experts(m: nn.Module) -> Tuple[Optional[_ExpertsPlan], str]:
+    """(_ExpertsPlan, "") when moegrad computes this experts module exactly, else (None,
+    reason)."""
+    if not getattr(m, "has_gate", True):
+        return None, "ungated experts (up_proj then an activation) have no moegrad activation"
+    if getattr(m, "has_post_expert_norm", False):
+        return None, "a norm after each expert has no counterpart in moegrad"
+    if getattr(m, "_is_expert_parallel", False):
+        return None, "expert-parallel experts (sentinel expert ids) are not served"
+    up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    if not isinstance(up, Tensor) or not isinstance(down, Tensor) or up.dim() != 3 \
+            or down.dim() != 3:
+        return None, "no stacked gate_up_proj / down_proj weights [E, ., .]"
+    kind, reason = _gate_kind(type(m))
+    if kind is None:
+        return None, reason
+    concatenated = getattr(m, "is_concatenated", True)
+    if kind == "gpt_oss":
+        if concatenated:
+            return None, "GPT-OSS gate on concatenated halves (moegrad expects interleaved)"
+        if getattr(_mg, "clipped_swiglu", None) is None:
+            return None, "the GPT-OSS clamped SwiGLU needs moegrad.clipped_swiglu (not in this build)"
+        alpha, limit = float(m.alpha), float(m.limit)
+        if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+            return None, f"GPT-OSS alpha/limit out of range (alpha={alpha}, limit={limit})"
+        return _ExpertsPlan("clipped_swiglu", alpha=alpha, limit=limit), ""
+    if not concatenated:
+        return None, "interleaved gate/up halves with a SiLU gate do not map"
+    act = getattr(m, "act_fn", None)
+    if not _is_silu(act):
+        return None, f"activation {type(act).__name__} is not SiLU (swiglu_group computes SiLU)"
+    if kind == "clamped":
+        limit = getattr(m, "limit", None)
+        if limit is None:
+            return _ExpertsPlan("swiglu"), ""
+        limit = float(limit)
+        if not (math.isfinite(limit) and limit > 0):
+            return None, f"clamp limit {limit} is not a positive finite number"
+        return _ExpertsPlan("swiglu", clamp=limit), ""
+    return _ExpertsPlan("swiglu"), ""
+
+
+def _check_inputs(m: nn.Module, x: Tensor, idx: Tensor, w: Tensor) -> None:
+    """Mixed dtypes or devices fail here, naming the argument (transformers' own message would
+    come from deep inside a matmul)."""
+    if x.dim() != 2:
+        raise _err("hidden_states", "must be 2-D [N, H]", list(x.shape))
+    if idx.dim() != 2 or idx.shape[0] != x.shape[0]:
+        raise _err("top_k_index", f"must be [N, K] with N = {x.shape[0]}", list(idx.shape))
+    if w.shape != idx.shape:
+        raise _err("top_k_weights", f"must have top_k_index's shape {list(idx.shape)}",
+                   list(w.shape))
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        t = getattr(m, name, None)
+        if not isinstance(t, Tensor) or (name.endswith("bias") and not m.has_bias):
+            continue
+        if t.device != x.device:
+            raise _err(name, f"must be on hidden_states' device ({x.device})", t.device)
+        if t.dtype != x.dtype:
+            raise _err(name, f"dtype must be hidden_states' ({x.dtype})", t.dtype)
+    for name, t in (("top_k_index", idx), ("top_k_weights", w)):
+        if t.device != x.device:
+            raise _err(name, f"must be on hidden_states' device ({x.device})", t.device)
+
+
+def _weight(m: nn.Module, name: str) -> Tensor:
+    """The module's stacked weight as [E, in, out] for grouped_mm: itself when transposed,
+    else its transpose VIEW (no copy; grouped_mm reads column-major experts in place)."""
+    w = getattr(m, name)
+    return w if m.is_transposed else w.transpose(1, 2)
+
+
+def _expert_gemm(rows: Tensor, w: Tensor, counts: Tensor, host, bias) -> Tensor:
+    """rows grouped by expert times w [E, in, out] (+ bias). Eager CPU without bias: torch's
+    grouped GEMM (F.grouped_mm; one call, several times faster than per-expert calls at these
+    row counts, docs/hf.md); otherwise, and under torch.compile (where torch's CPU
+    grouped GEMM does not trace for fp32), moegrad.nn.grouped_mm. Init routing is dropless, so
+    the counts cover every row."""
+    if (bias is None and rows.device.type == "cpu" and _TORCH_GROUPED_MM is not None
+            and not torch.compiler.is_compiling()):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return _TORCH_GROUPED_MM(rows, w, offs=offs)
+    return grouped_mm(rows, w, counts, host, bias=bias)
+
+
+_TORCH_GROUPED_MM = getattr(F, "grouped_mm", None)
+
+
+def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    _check_inputs(m, x, idx, w)
+    E, K = m.num_experts, idx.shape[1]
+    has_bias = bool(getattr(m, "has_bias", False))
+    rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
+    host = counts.cpu() if counts.is_cuda else None  # one sync serves all four GEMM passes
+    up = _expert_gemm(rows, _weight(m, "gate_up_proj"), counts, host,
+                      m.gate_up_proj_bias if has_bias else None)
+    if plan.activation == "clipped_swiglu":
+        act = _mg.clipped_swiglu(up, counts, alpha=plan.alpha, limit=plan.limit, bias=1.0,
+                                 interleaved=True)
+    else:
+        act = _mg.swiglu_group(up, group_index=counts, clamp_limit=plan.clamp)
+    out = _expert_gemm(act, _weight(m, "down_proj"), counts, host, None)
+    if has_bias:
+        return _mg.moe_finalize_routing(out, row_idx, bias=m.down_proj_bias, scales=w,
+                                        expert_idx=idx.to(torch.int32), drop_pad_mode=2, k=K)
+    return _mg.moe_finalize_routing(out, row_idx, scales=w, drop_pad_mode=2, k=K)
+
+
+def _own_forward(m: nn.Module) -> Callable:
+    """The module's own (eager) forward under transformers' dispatch wrapper."""
+    fwd = type(m).forward
+    return getattr(fwd, "__wrapped__", fwd)
+
+
+def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                    top_k_weights: Tensor) -> Tensor:
+    """The "moegrad" experts implementation: hidden_states [N, H], top_k_index [N, K] (int64 or
+    int32), top_k_weights [N, K] (any float dtype; its gradient flows) -> [N, H] in
+    hidden_states' dtype. A module moegrad does not compute exactly runs its previous
+    implementation (after apply) or its own eager forward. Errors: MoeError (161002) for mixed
+    dtypes or devices, naming the argument."""
+    plan = getattr(self, "_moegrad_plan", None)
+    if plan is None:
+        plan, reason = _plan_experts(self)
+        if not torch.compiler.is_compiling():
+            self._moegrad_plan = plan if plan is not None else reason
+            if plan is None:
+                warnings.warn(f"moegrad.hf: {type(self).__name__} keeps its own code: {reason}",
+                              stacklevel=2)
+    if isinstance(plan, _ExpertsPlan):
+        return _run_experts(self, plan, hidden_states, top_k_index, top_k_weights)
+    fallback = getattr(self, "_moegrad_fallback", None)
+    if fallback not in (None, "eager", IMPLEMENTATION) and fallback in ALL_EXPERTS_FUNCTIONS:
+        return ALL_EXPERTS_FUNCTIONS[fallback](self, hidden_states, top_k_index, top_k_weights)
+    return _own_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+# ------------------------------------------------------------------------------- routers ----
+# Each router forward returns what the original returns: (router_logits unchanged — the tensor
+# output_router_logits records and the load-balancing loss reads —, weights, int64 ids).
+def _topk(logits: Tensor, k: int, **kw) -> Tuple[Tensor, Tensor]:
+    y, idx, _ = _mg.moe_gating_top_k(logits, k, **kw)
+    return y, idx.long()
+
+
+def _softmax_router(self, hidden_states):
+    """Qwen2-MoE / Qwen3-MoE / OLMoE: fp32 softmax, top-k, optional renormalisation, weights in
+    the logits' dtype. Renormalised top-k softmax = softmax over the k logits (renorm=1)."""
+    h = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(h, self.weight)
+    y, idx = _topk(logits.float(), self.top_k, renorm=1 if self.norm_topk_prob else 0,
+                   norm_type=0)
+    return logits, y.to(logits.dtype), idx
+
+
+def _mixtral_router(self, hidden_states):
+    """Mixtral: softmax over the k logits, weights kept in fp32."""
+    h = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(h, self.weight)
+    y, idx = _topk(logits.float(), self.top_k, renorm=1, norm_type=0)
+    return logits, y, idx
+
+
+def _gpt_oss_router(self, hidden_states):
+    """GPT-OSS: top-k of the logits (with bias), softmax over the k in the logits' dtype."""
+    logits = F.linear(hidden_states, self.weight, self.bias)
+    y, idx = _topk(logits, self.top_k, renorm=1, norm_type=0)
+    return logits, y, idx
+
+
+def _renorm_kw(norm_topk_prob: bool) -> dict:
+    return {} if norm_topk_prob else {_NO_RENORM: True}
+
+
+def _deepseek_v3_router(self, hidden_states):
+    """DeepSeek-V3: fp32 sigmoid scores, selection bias, group-limited selection (groups ranked
+    by the sum of their top two), renormalisation (sum + 1e-20) and routed scaling."""
+    h = hidden_states.view(-1, self.hidden_dim)
+    logits = F.linear(h.type(torch.float32), self.weight.type(torch.float32))
+    y, idx = _topk(logits, self.top_k, bias=self.e_score_correction_bias.float(),
+                   k_group=self.topk_group, group_count=self.num_group, group_select_mode=1,
+                   norm_type=1, routed_scaling_factor=float(self.routed_scaling_factor),
+                   eps=1e-20, **_renorm_kw(self.norm_topk_prob))
+    return logits, y, idx
+
+
+def _deepseek_v4_router(self, hidden_states):
+    """DeepSeek-V4: sqrt(softplus) (or sigmoid) scores, selection bias, renormalisation (sum +
+    1e-20), routed scaling; weights in the logits' dtype."""
+    flat = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(flat, self.weight)
+    y, idx = _topk(logits.float(), self.top_k, bias=self.e_score_correction_bias.float(),
+                   norm_type=self._moegrad_norm_type,
+                   routed_scaling_factor=float(self.routed_scaling_factor), eps=1e-20)
+    return logits, y.to(logits.dtype), idx
+
+
+# family -> (reference router class, patched forward). A router maps when its class is the
+# reference or a copy of it (identical forward source; transformers copies routers between
+# models), and `_router_check` accepts its attributes.
+_ROUTERS = {
+    "softmax": (("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter"),
+                _softmax_router),
+    "softmax-qwen2": (("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter"),
+                      _softmax_router),
+    "softmax-olmoe": (("transformers.models.olmoe.modeling_olmoe", "OlmoeTopKRouter"),
+                      _softmax_router),
+    "mixtral": (("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter"),
+                _mixtral_router),
+    "gpt_oss": (("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter"),
+                _gpt_oss_router),
+    "deepseek_v3": (("transformers.models.deepseek_v3.modeling_deepseek_v3",
+                     "DeepseekV3TopkRouter"), _deepseek_v3_router),
+    "deepseek_v4": (("transformers.models.deepseek_v4.modeling_deepseek_v4",
+                     "DeepseekV4TopKRouter"), _deepseek_v4_router),
+}
+_HASH_ROUTERS = (("transformers.models.deepseek_v4.modeling_deepseek_v4",
+                  "DeepseekV4HashRouter"),)
+_family_cache: Dict[type, Optional[str]] = {}
+
+
+def _router_family(cls) -> Optional[str]:
+    if cls in _family_cache:
+        return _family_cache[cls]
+    found = None
+    src = _source(cls.forward)
+    for family, (ref, _fwd) in _ROUTERS.items():
+        ref_cls = _reference(*ref)
+        if ref_cls is None:
+            continue
+        if cls is ref_cls or (src is not None and src == _source(ref_cls.forward)):
+            found = family
+            break
+    _family_cache[cls] = found
+    return found
+
+
+def _is_hash_router(cls) -> bool:
+    return any(cls is _reference(*ref) for ref in _HASH_ROUTERS)
+
+
+def _router_check(family: str, r: nn.Module) -> str:
+    """"" when the router's attributes map, else the reason."""
+    if family == "deepseek_v3":
+        E, G, kg, k = r.num_experts, int(r.num_group), int(r.topk_group), int(r.top_k)
+        if G < 1 or E % G or not 1 <= kg <= G:
+            return f"groups do not divide the experts (E={E}, n_group={G}, topk_group={kg})"
+        if E // G < 2 and G > 1:
+            return "groups of one expert (the group score sums each group's top two)"
+        if k > kg * (E // G):
+            return f"top_k {k} exceeds the experts of the {kg} kept groups"
+        if not r.norm_topk_prob and not _has_no_renorm():
+            return ("sigmoid top-k without renormalisation (norm_topk_prob=False) needs "
+                    "moe_gating_top_k's no_renorm switch (not in this build)")
+    if family == "deepseek_v4":
+        from transformers.activations import SqrtSoftplusActivation
+        kind = type(r.score_fn)
+        if kind is SqrtSoftplusActivation:
+            r._moegrad_norm_type = 2
+        elif kind is nn.Sigmoid or getattr(r.score_fn, "__name__", "") == "sigmoid":
+            r._moegrad_norm_type = 1
+        else:
+            return f"scoring function {kind.__name__} has no moegrad norm type"
+    return ""
+
+
+_patched_classes: Dict[type, type] = {}
+
+
+def _patched_class(cls, forward) -> type:
+    """A subclass of the router's class with moegrad's forward: isinstance checks (transformers'
+    router-logit recorder) still match, parameters and hooks stay on the same module."""
+    if cls not in _patched_classes:
+        _patched_classes[cls] = type(cls.__name__, (cls,), {
+            "forward": forward, "_moegrad_original_class": cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} routed by moegrad.moe_gating_top_k (moegrad.hf)."})
+    return _patched_classes[cls]
+
+
+# ------------------------------------------------------------------------------- report -----
+@dataclass
+class Entry:
+    """One module: its qualified name in the model, its kind ("router" / "experts"), its class,
+    and what moegrad runs for it (patched) or why it keeps its own code (left alone)."""
+    name: str
+    kind: str
+    cls: str
+    detail: str
+
+
+@dataclass
+class Report:
+    """What apply() did. `patched` and `left_alone` list Entry objects; str() is a table;
+    revert() undoes the patch (same as moegrad.hf.revert(model))."""
+    patched: List[Entry] = field(default_factory=list)
+    left_alone: List[Entry] = field(default_factory=list)
+    _model: Optional[nn.Module] = field(default=None, repr=False, compare=False)
+
+    def revert(self) -> List[str]:
+        if self._model is None:
+            return []
+        return revert(self._model)
+
+    def __str__(self) -> str:
+        lines = [f"moegrad.hf: {len(self.patched)} patched, {len(self.left_alone)} left alone"]
+        for title, entries in (("patched", self.patched), ("left alone", self.left_alone)):
+            for e in entries:
+                lines.append(f"  {title:10s} {e.kind:7s} {e.name} ({e.cls}): {e.detail}")
+        return "\n".join(lines)
+
+
+_STATE = "_moegrad_hf_state"  # on the model: what revert() needs
+
+
+def _experts_modules(model: nn.Module):
+    """(name, module) of every transformers experts module (one the experts dispatch serves)."""
+    for name, m in model.named_modules():
+        fwd = getattr(type(m), "forward", None)
+        if hasattr(m, "is_transposed") and hasattr(m, "down_proj") and hasattr(m, "config") \
+                and hasattr(fwd, "__wrapped__"):
+            yield name, m
+
+
+def _router_modules(model: nn.Module, blocks: List[str]):
+    """(name, module) of the routers: a known router class anywhere, or a sibling named gate /
+    router of an experts module (unknown ones are reported as left alone)."""
+    seen = set()
+    for name, m in model.named_modules():
+        cls = getattr(type(m), "_moegrad_original_class", type(m))
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        sibling = parent in blocks and name.rsplit(".", 1)[-1] in ("gate", "router")
+        if _router_family(cls) or _is_hash_router(cls) or sibling:
+            if id(m) not in seen:
+                seen.add(id(m))
+                yield name, m
+
+
+def apply(model: nn.Module, *, router: bool = True, experts: bool = True) -> Report:
+    """Patch a loaded transformers model in place to run its MoE blocks on moegrad.
+
+    router=True: every router whose math moe_gating_top_k computes exactly (softmax top-k with
+    or without renormalisation: Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral; GPT-OSS; DeepSeek-V3's
+    sigmoid + selection bias + groups + scaling; DeepSeek-V4's sqrt-softplus) gets moegrad's
+    forward; router_logits stay the same tensor the model returned before. experts=True: the
+    model's experts run the "moegrad" implementation where they map (the others keep the
+    implementation they had). Applying twice is harmless; revert(model) undoes it.
+
+    Returns a Report. Errors: TypeError for a non-module or a non-bool option (unknown
+    options are TypeErrors of the signature); ValueError when both options are False or the
+    model has no MoE block (nothing is changed then).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"moegrad.hf.apply: model: must be a torch.nn.Module; got "
+                        f"{type(model).__name__}")
+    for name, v in (("router", router), ("experts", experts)):
+        if not isinstance(v, bool):
+            raise TypeError(f"moegrad.hf.apply: {name}: must be True or False; got {v!r}")
+    if not (router or experts):
+        raise ValueError("moegrad.hf.apply: router and experts are both False: nothing to patch")
+    experts_list = list(_experts_modules(model))
+    blocks = [n.rsplit(".", 1)[0] if "." in n else "" for n, _ in experts_list]
+    routers = list(_router_modules(model, blocks))
+    if not experts_list and not routers:
+        raise ValueError(f"moegrad.hf.apply: model: {type(model).__name__} has no "
+                         f"Mixture-of-Experts block (no transformers experts module or "
+                         f"router); nothing was changed")
+    state = model.__dict__.setdefault(_STATE, {"configs": {}, "experts": [], "routers": []})
+    report = Report(_model=model)
+    if experts:
+        _apply_experts(experts_list, state, report)
+    if router:
+        _apply_routers(routers, state, report)
+    return report
+
+
+def _apply_experts(experts_list, state, report: Report) -> None:
+    plans = [(name, m, _plan_experts(m)) for name, m in experts_list]
+    mapped = [m for _, m, (plan, _) in plans if plan is not None]
+    # The implementation is chosen per config (transformers reads config._experts_implementation
+    # in every experts call); switch each config that holds a mapped module.
+    for m in mapped:
+        cfg = m.config
+        if id(cfg) not in state["configs"]:
+            state["configs"][id(cfg)] = (cfg, cfg._experts_implementation)
+    for name, m, (plan, reason) in plans:
+        cfg_prev = state["configs"].get(id(m.config), (None, m.config._experts_implementation))[1]
+        if id(m) not in {id(x) for x in state["experts"]}:
+            state["experts"].append(m)
+        cls = type(m).__name__
+        if plan is not None:
+            m._moegrad_plan = plan
+            report.patched.append(Entry(name, "experts", cls, plan.describe()))
+        else:
+            m._moegrad_plan = reason
+            m._moegrad_fallback = cfg_prev
+            report.left_alone.append(Entry(name, "experts", cls, reason))
+    for m in mapped:
+        m.config._experts_implementation_internal = IMPLEMENTATION
+
+
+def _apply_routers(routers, state, report: Report) -> None:
+    for name, r in routers:
+        original = getattr(type(r), "_moegrad_original_class", None)
+        cls = (original or type(r)).__name__
+        if original is not None:
+            report.patched.append(Entry(name, "router", cls, "already patched"))
+            continue
+        if _is_hash_router(type(r)):
+            report.left_alone.append(Entry(name, "router", cls, (
+                "hash routing (a fixed token-to-expert table) has no moe_gating_top_k mode")))
+            continue
+        family = _router_family(type(r))
+        if family is None:
+            report.left_alone.append(Entry(name, "router", cls,
+                                           "router math not recognised as one moegrad maps"))
+            continue
+        reason = _router_check(family, r)
+        if reason:
+            report.left_alone.append(Entry(name, "router", cls, reason))
+            continue
+        r.__class__ = _patched_class(type(r), _ROUTERS[family][1])
+        state["routers"].append(r)
+        report.patched.append(Entry(name, "router", cls, f"moe_gating_top_k ({family})"))
+
+
+def revert(model: nn.Module) -> List[str]:
+    """Undo apply(): routers get their own classes back, configs their previous experts
+    implementation, experts modules lose moegrad's per-module state. Returns the names of the
+    modules restored ([] for a model apply() never patched)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"moegrad.hf.revert: model: must be a torch.nn.Module; got "
+                        f"{type(model).__name__}")
+    state = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return []
+    names = {id(m): n for n, m in model.named_modules()}
+    restored = []
+    for r in state["routers"]:
+        original = getattr(type(r), "_moegrad_original_class", None)
+        if original is not None:
+            r.__class__ = original
+            restored.append(names.get(id(r), type(r).__name__))
+    for cfg, prev in state["configs"].values():
+        cfg._experts_implementation_internal = prev
+    for m in state["experts"]:
+        for attr in ("_moegrad_plan", "_moegrad_fallback"):
+            m.__dict__.pop(attr, None)
+        restored.append(names.get(id(m), type(m).__name__))
+    return restored
+
+
+# ------------------------------------------------------------------ small test models -------
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss",
+                 "deepseek_v4")
+
+
+def small_config(arch: str, *, hidden: int = 32, intermediate: int = 16, experts: int = 8,
+                 top_k: int = 2, layers: int = 2, vocab: int = 64, heads: int = 2,
+                 max_positions: int = 256, **overrides):
+    """A transformers config of architecture `arch` (one of ARCHITECTURES) with the MoE sizes
+    given: hidden H, per-expert intermediate I, E experts, top-k K (what the tests, the demo and
+    the benchmark build from; random init, nothing is downloaded). DeepSeek-V3 gets expert
+    groups (up to 4 groups of >= 2, half of them kept), one shared expert and a dense first
+    layer; Qwen2-MoE a gated shared expert; DeepSeek-V4 hash routing in its first layer.
+    `overrides` go to the config class last."""
+    import transformers as tf
+    head_dim = max(hidden // heads, 8)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
+                  max_position_embeddings=max_positions, num_experts_per_tok=top_k)
+    if arch == "qwen3_moe":
+        cls, kw = tf.Qwen3MoeConfig, dict(moe_intermediate_size=intermediate,
+                                          intermediate_size=2 * intermediate, num_experts=experts,
+                                          norm_topk_prob=True)
+    elif arch == "qwen2_moe":
+        cls, kw = tf.Qwen2MoeConfig, dict(moe_intermediate_size=intermediate,
+                                          intermediate_size=2 * intermediate,
+                                          shared_expert_intermediate_size=2 * intermediate,
+                                          num_experts=experts)
+    elif arch == "olmoe":
+        cls, kw = tf.OlmoeConfig, dict(intermediate_size=intermediate, num_experts=experts)
+        common.pop("head_dim")
+    elif arch == "mixtral":
+        cls, kw = tf.MixtralConfig, dict(intermediate_size=intermediate,
+                                         num_local_experts=experts)
+    elif arch == "deepseek_v3":
+        groups = next(g for g in (4, 2, 1) if experts % g == 0 and experts // g >= 2
+                      and top_k <= (max(g // 2, 1)) * (experts // g))
+        rope = max(head_dim // 2, 4)
+        cls, kw = tf.DeepseekV3Config, dict(
+            moe_intermediate_size=intermediate, intermediate_size=2 * intermediate,
+            n_routed_experts=experts, n_group=groups, topk_group=max(groups // 2, 1),
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            q_lora_rank=None, kv_lora_rank=max(hidden // 2, 8), qk_rope_head_dim=rope,
+            qk_nope_head_dim=rope, v_head_dim=head_dim, head_dim=rope,
+            num_key_value_heads=heads)
+        common.pop("num_key_value_heads")
+        common.pop("head_dim")
+        common["num_hidden_layers"] = layers + 1  # the first layer is dense
+    elif arch == "gpt_oss":
+        cls, kw = tf.GptOssConfig, dict(intermediate_size=intermediate,
+                                        num_local_experts=experts, sliding_window=16)
+    elif arch == "deepseek_v4":
+        cls, kw = tf.DeepseekV4Config, dict(
+            moe_intermediate_size=intermediate, n_routed_experts=experts,
+            mlp_layer_types=["hash_moe"] + ["moe"] * layers, q_lora_rank=hidden // 2,
+            o_groups=heads, o_lora_rank=hidden // 2, index_n_heads=heads, index_head_dim=16,
+            index_topk=4, sliding_window=16, hc_mult=2, hc_sinkhorn_iters=4,
+            num_nextn_predict_layers=0)
+        common["num_hidden_layers"] = layers + 1  # the first layer is hash-routed
+    else:
+        raise ValueError(f"moegrad.hf.small_config: arch: must be one of {ARCHITECTURES}; "
+                         f"got {arch!r}")
+    common.update(kw)
+    common.update(overrides)
+    cfg = cls(**common)
+    cfg._attn_implementation = "eager"
+    return cfg

@@ -1,0 +1,515 @@
+"""moegrad.hf, the Hugging Face transformers backend (docs/hf.md), on real transformers models.
+
+Every architecture is built from its own config class, tiny and randomly initialised (nothing is
+downloaded), then patched with moegrad.hf.apply and compared with an unpatched copy running
+transformers' "eager" experts (its own per-expert loop, the reference):
+* fp32, whole model: logits, loss, aux loss, router logits and every parameter gradient agree
+  (relative 1e-5), the same experts are selected, and 20 AdamW steps give the same loss curve
+  (|delta loss| <= 1e-5 at every step);
+* bf16, one MoE block: output and gradients against the fp32 block within 4 bf16 ulps or twice
+  eager bf16's own error, same experts (inputs drawn without near ties at the top-k boundary,
+  where two selections may legitimately differ);
+* torch.compile(fullgraph=True) of a patched MoE block (aot_eager: dynamo capture plus the fake
+  kernels and autograd; inductor for one architecture);
+* the report (what is patched, what is left alone and why), revert, applying twice, the
+  from_pretrained path (set_experts_implementation), unmapped activations, a dense model,
+  unknown options, mixed dtypes / devices, and importing without transformers.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import sys
+
+import pytest
+import torch
+import transformers as tf
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+import moegrad
+import moegrad.hf as mh
+
+ARCHS = mh.ARCHITECTURES
+HAS_CLIPPED = getattr(moegrad, "clipped_swiglu", None) is not None
+HAS_NO_RENORM = "no_renorm" in inspect.signature(moegrad.moe_gating_top_k).parameters
+FP32_REL = 1e-5
+
+
+def _build(arch, dtype=torch.float32, **kw):
+    """A tiny random model of `arch` with nonzero biases and selection biases (transformers
+    initialises some of them to zero, which would hide a missing term)."""
+    model = tf.AutoModelForCausalLM.from_config(mh.small_config(arch, **kw),
+                                                experts_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name:
+                p.normal_(0.0, 0.3)
+            elif "experts." in name and p.dim() == 3:
+                p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0.0, 0.1)
+            elif "tid2eid" in name:
+                E = model.config.num_local_experts
+                b.copy_(torch.stack([torch.randperm(E)[:b.shape[1]] for _ in range(b.shape[0])]))
+    return model.to(dtype).train()
+
+
+def _expected_left_alone(arch):
+    """(kind, reason fragment) of the modules the report must list as left alone."""
+    out = []
+    if arch == "gpt_oss" and not HAS_CLIPPED:
+        out.append(("experts", "clipped_swiglu"))
+    if arch == "deepseek_v4":
+        out.append(("router", "hash routing"))
+    return out
+
+
+def _record_selection(model):
+    """Forward hooks on every router: the sorted expert ids of each call."""
+    seen = []
+
+    def hook(_m, _inp, out):
+        seen.append(torch.sort(out[2].detach().long(), dim=-1).values)
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if type(m).__name__.endswith(("TopKRouter", "TopkRouter", "HashRouter"))]
+    return seen, handles
+
+
+def _is_moe_param(name):
+    return any(s in name for s in ("experts", ".gate.", ".router.", "shared_expert"))
+
+
+def _check_grads(ref, pat, rel=FP32_REL):
+    """Every parameter gradient: relative to the tensor's largest gradient for the MoE block's
+    own parameters; elsewhere floored at 1e-3 of the model's largest gradient element (a
+    gradient that is a near-cancelling sum, e.g. an attention bias, carries rounding noise at
+    the scale of its terms: transformers' own grouped_mm backend differs from eager there by
+    as much)."""
+    grads = [(n, p1.grad, p2.grad) for (n, p1), (_, p2) in
+             zip(ref.named_parameters(), pat.named_parameters())]
+    assert all((g1 is None) == (g2 is None) for _, g1, g2 in grads)
+    gmax = max(g1.abs().max().item() for _, g1, _ in grads if g1 is not None)
+    assert gmax > 0
+    for name, g1, g2 in grads:
+        if g1 is None:
+            continue
+        scale = g1.abs().max().item()
+        if not _is_moe_param(name):
+            scale = max(scale, 1e-3 * gmax)
+        err = (g1.float() - g2.float()).abs().max().item()
+        assert err <= rel * scale, f"{name}: max |delta grad| {err:.3e} > {rel} * {scale:.3e}"
+
+
+# --------------------------------------------------------------------------- registration --
+def test_import_registers_moegrad():
+    assert ALL_EXPERTS_FUNCTIONS["moegrad"] is mh.experts_forward
+    assert mh.IMPLEMENTATION == "moegrad"
+
+
+def test_import_without_transformers_names_the_extra(monkeypatch):
+    hidden = {k: v for k, v in sys.modules.items() if k == "transformers"
+              or k.startswith("transformers.")}
+    for k in hidden:
+        monkeypatch.setitem(sys.modules, k, None)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "moegrad.hf")
+    try:
+        with pytest.raises(ImportError, match=r"pip install moegrad\[hf\]"):
+            importlib.import_module("moegrad.hf")
+    finally:
+        monkeypatch.undo()
+    assert sys.modules["moegrad.hf"] is mh
+
+
+# ----------------------------------------------------------------- fp32, the whole model ----
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_model_matches_eager(arch, rng):
+    ref = _build(arch)
+    pat = copy.deepcopy(ref)
+    report = mh.apply(pat)
+    expected = _expected_left_alone(arch)
+    for kind, fragment in expected:
+        assert any(e.kind == kind and fragment in e.detail for e in report.left_alone), \
+            str(report)
+    assert all(any(e.kind == k and f in e.detail for k, f in expected)
+               for e in report.left_alone), str(report)
+    assert any(e.kind == "router" for e in report.patched), str(report)
+    assert "patched" in str(report)
+
+    ids = torch.randint(0, pat.config.vocab_size, (2, 24))
+    sel_ref, h1 = _record_selection(ref)
+    sel_pat, h2 = _record_selection(pat)
+    o1 = ref(ids, labels=ids, output_router_logits=True)
+    o2 = pat(ids, labels=ids, output_router_logits=True)
+    for h in h1 + h2:
+        h.remove()
+    assert len(sel_ref) == len(sel_pat) > 0
+    for a, b in zip(sel_ref, sel_pat):
+        assert torch.equal(a, b), "different experts selected"
+    # The router logits transformers' load-balancing loss reads: still returned, equal up to
+    # the rounding of the layers before (the router's own linear map is not touched).
+    assert len(o1.router_logits) == len(o2.router_logits) > 0
+    for a, b in zip(o1.router_logits, o2.router_logits):
+        assert (a - b).abs().max() <= FP32_REL * a.abs().max()
+    scale = o1.logits.abs().max().item()
+    assert (o1.logits - o2.logits).abs().max().item() <= FP32_REL * scale
+    assert abs(o1.loss.item() - o2.loss.item()) <= FP32_REL * abs(o1.loss.item())
+    if getattr(o1, "aux_loss", None) is not None:
+        assert abs(float(o1.aux_loss) - float(o2.aux_loss)) <= FP32_REL * abs(float(o1.aux_loss))
+    o1.loss.backward()
+    o2.loss.backward()
+    _check_grads(ref, pat)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_training_loss_curve_matches_eager(arch, rng):
+    ref = _build(arch, layers=1)
+    pat = copy.deepcopy(ref)
+    mh.apply(pat)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, pat)]
+    data = torch.randint(0, ref.config.vocab_size, (20, 2, 16))
+    worst = 0.0
+    for step in range(20):
+        losses = []
+        for m, opt in zip((ref, pat), opts):
+            opt.zero_grad(set_to_none=True)
+            loss = m(data[step], labels=data[step], output_router_logits=True).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[0] - losses[1]))
+        assert abs(losses[0] - losses[1]) <= 1e-5, f"step {step}: {losses}"
+    print(f"{arch}: 20 steps, max |delta loss| {worst:.2e}")
+
+
+# ---------------------------------------------------------------------- bf16, one block -----
+def _moe_block(model):
+    """The first MoE block of the model (a module with an experts child) and its index."""
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "experts") and not getattr(layer.mlp, "is_hash", False):
+            return i, layer.mlp
+    raise AssertionError("no MoE block")
+
+
+def _router(block):
+    return getattr(block, "gate", None) or getattr(block, "router")
+
+
+def _selection_scores(router, logits):
+    """What each router ranks, in fp32: the logits (softmax is monotonic), or sigmoid /
+    sqrt-softplus scores plus the selection bias (DeepSeek)."""
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is None:
+        return logits
+    fn = getattr(router, "score_fn", torch.sigmoid)
+    return fn(logits) + bias.float()
+
+
+def _block_inputs(block, H, dtype, k):
+    """[2, 16, H] inputs without a near tie at the top-k boundary of what the router ranks: no
+    two candidates there within 2^-7 (relative) of each other, so that neither bf16 rounding of
+    the scores (DeepSeek-V4's eager router ranks bf16 scores) nor the order of the selection
+    decides which experts are taken."""
+    router = _router(block)
+    for _ in range(200):
+        x = torch.randn(2, 16, H).to(dtype)
+        with torch.no_grad():
+            logits = router(x.reshape(-1, H))[0].float()
+            sel = _selection_scores(router, logits)
+        if k == sel.shape[-1]:
+            return x
+        top = torch.topk(sel, k + 1, dim=-1).values
+        gap = top[:, k - 1] - top[:, k]
+        if bool((gap > 2.0 ** -7 * top[:, k - 1].abs()).all()):
+            return x
+    raise AssertionError("could not draw tie-free inputs")
+
+
+def _call(block, x):
+    out = block(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_block_matches_eager(arch, rng):
+    """bf16 block, patched and eager, each against the same block in fp32 (eager, the bf16
+    weights widened): the patched block's error is within 4 bf16 ulps (2^-6) of each tensor's
+    magnitude, or at most twice the eager bf16 block's own error where that is larger (the
+    DeepSeek-V4 eager router rounds its scores and renormalisation to bf16)."""
+    model = _build(arch, dtype=torch.bfloat16)
+    i, ref = _moe_block(model)
+    wide = copy.deepcopy(ref).float()
+    pat_model = copy.deepcopy(model)
+    mh.apply(pat_model)
+    pat = pat_model.model.layers[i].mlp
+    H, K = model.config.hidden_size, model.config.num_experts_per_tok
+    x = _block_inputs(ref, H, torch.bfloat16, K)
+    g = torch.randn(2, 16, H).to(torch.bfloat16)
+    runs = []
+    for blk, dt in ((wide, torch.float32), (ref, torch.bfloat16), (pat, torch.bfloat16)):
+        xi = x.to(dt).clone().requires_grad_(True)
+        seen, handles = _record_selection(blk)
+        y = _call(blk, xi)
+        y.backward(g.to(dt))
+        for h in handles:
+            h.remove()
+        tensors = {"output": y.detach().float(), "input grad": xi.grad.float()}
+        tensors.update({n: p.grad.float() for n, p in blk.named_parameters()
+                        if p.grad is not None})
+        runs.append((seen, tensors))
+    (sel32, t32), (sel_ref, t_ref), (sel_pat, t_pat) = runs
+    assert all(torch.equal(a, b) for a, b in zip(sel_ref, sel_pat))
+    assert all(torch.equal(a, b) for a, b in zip(sel32, sel_pat))
+    tol = 4 * 2.0 ** -8
+    assert set(t32) == set(t_pat) == set(t_ref)
+    for name, truth in t32.items():
+        scale = truth.abs().max().item()
+        err_pat = (t_pat[name] - truth).abs().max().item()
+        err_ref = (t_ref[name] - truth).abs().max().item()
+        assert err_pat <= max(tol * scale, 2 * err_ref), \
+            f"{arch} {name}: {err_pat:.3e} vs eager bf16 {err_ref:.3e}, scale {scale:.3e}"
+
+
+# ---------------------------------------------------------------------------- compile -------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_fullgraph_patched_block(arch, rng, monkeypatch):
+    if arch == "gpt_oss" and not HAS_CLIPPED:
+        monkeypatch.setattr(moegrad, "clipped_swiglu", _clipped_standin, raising=False)
+    torch._dynamo.reset()
+    model = _build(arch)
+    mh.apply(model)
+    _, block = _moe_block(model)
+    H = model.config.hidden_size
+    x = torch.randn(2, 8, H)
+    ref = _call(block, x)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    xc = x.clone().requires_grad_(True)
+    y = _call(compiled, xc)
+    assert (y - ref).abs().max().item() <= FP32_REL * ref.abs().max().item()
+    y.sum().backward()
+    assert xc.grad is not None and torch.isfinite(xc.grad).all()
+
+
+def test_compile_inductor_patched_block():
+    torch._dynamo.reset()
+    model = _build("qwen3_moe")
+    mh.apply(model)
+    _, block = _moe_block(model)
+    x = torch.randn(2, 8, model.config.hidden_size, requires_grad=True)
+    y = torch.compile(block, fullgraph=True)(x)
+    ref = block(x.detach())
+    assert (y - ref).abs().max().item() <= FP32_REL * ref.abs().max().item()
+    y.sum().backward()
+
+
+# ---------------------------------------------------------- the patch: report and undo ------
+def test_apply_twice_then_revert():
+    ref = _build("qwen3_moe")
+    pat = copy.deepcopy(ref)
+    r1 = mh.apply(pat)
+    r2 = mh.apply(pat)
+    assert [e.name for e in r1.patched] == [e.name for e in r2.patched]
+    assert any(e.detail == "already patched" for e in r2.patched)
+    router = pat.model.layers[0].mlp.gate
+    assert type(router) is not type(ref.model.layers[0].mlp.gate)
+    assert isinstance(router, type(ref.model.layers[0].mlp.gate))
+    assert pat.config._experts_implementation == "moegrad"
+    ids = torch.randint(0, 64, (2, 8))
+    y1 = pat(ids).logits
+    restored = r2.revert()
+    assert "model.layers.0.mlp.gate" in restored and "model.layers.0.mlp.experts" in restored
+    assert type(router) is type(ref.model.layers[0].mlp.gate)
+    assert pat.config._experts_implementation == "eager"
+    assert not hasattr(pat.model.layers[0].mlp.experts, "_moegrad_plan")
+    assert torch.equal(pat(ids).logits, ref(ids).logits)
+    assert (y1 - ref(ids).logits).abs().max() <= FP32_REL * y1.abs().max()
+    assert mh.revert(pat) == []  # nothing left to undo
+
+
+def test_experts_only_and_router_only():
+    model = _build("mixtral")
+    r = mh.apply(model, router=False)
+    assert {e.kind for e in r.patched} == {"experts"}
+    r.revert()
+    r = mh.apply(model, experts=False)
+    assert {e.kind for e in r.patched} == {"router"}
+    assert model.config._experts_implementation == "eager"
+
+
+def test_set_experts_implementation_without_apply():
+    ref = _build("qwen3_moe")
+    pat = copy.deepcopy(ref)
+    pat.set_experts_implementation("moegrad")
+    ids = torch.randint(0, 64, (2, 8))
+    a, b = ref(ids).logits, pat(ids).logits
+    assert (a - b).abs().max() <= FP32_REL * a.abs().max()
+
+
+def test_unmapped_activation_keeps_its_own_code():
+    ref = _build("qwen3_moe", hidden_act="gelu")
+    pat = copy.deepcopy(ref)
+    report = mh.apply(pat)
+    experts = [e for e in report.left_alone if e.kind == "experts"]
+    assert len(experts) == 2 and all("GELU" in e.detail for e in experts), str(report)
+    assert {e.kind for e in report.patched} == {"router"}
+    # The config is untouched (no experts module maps) and the output is eager's own.
+    assert pat.config._experts_implementation == "eager"
+    ids = torch.randint(0, 64, (2, 8))
+    a, b = ref(ids).logits, pat(ids).logits
+    assert (a - b).abs().max() <= FP32_REL * a.abs().max()
+
+
+def test_deepseek_v3_without_renormalisation():
+    ref = _build("deepseek_v3", norm_topk_prob=False)
+    pat = copy.deepcopy(ref)
+    report = mh.apply(pat)
+    routers = [e for e in report.left_alone if e.kind == "router"]
+    if HAS_NO_RENORM:
+        assert not routers
+    else:
+        assert routers and all("no_renorm" in e.detail for e in routers)
+    ids = torch.randint(0, 64, (2, 8))
+    a, b = ref(ids).logits, pat(ids).logits
+    assert (a - b).abs().max() <= FP32_REL * a.abs().max()
+
+
+def _clipped_standin(x, group_index=None, *, dim=-1, alpha=1.702, limit=7.0, bias=1.0,
+                     interleaved=True, clamp_mode=0):
+    """The GPT-OSS activation by its formula (torch autograd), standing in for
+    moegrad.clipped_swiglu where this build lacks it; rows past sum(group_index) are zero."""
+    a, b = (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    a = a.clamp(max=limit)
+    b = b.clamp(-limit, limit)
+    y = (b + bias) * a * torch.sigmoid(alpha * a)
+    if group_index is not None:
+        keep = torch.arange(x.shape[0]) < group_index.sum()
+        y = y * keep.unsqueeze(-1).to(y.dtype)
+    return y
+
+
+def test_gpt_oss_experts_layout_and_biases(monkeypatch):
+    """The GPT-OSS experts path (transposed weights, both biases, interleaved gate): with the
+    activation by its formula when moegrad.clipped_swiglu is absent, so that what the backend
+    itself contributes is checked either way."""
+    if not HAS_CLIPPED:
+        monkeypatch.setattr(moegrad, "clipped_swiglu", _clipped_standin, raising=False)
+    ref = _build("gpt_oss")
+    pat = copy.deepcopy(ref)
+    report = mh.apply(pat)
+    assert not report.left_alone, str(report)
+    assert all("clipped_swiglu" in e.detail for e in report.patched if e.kind == "experts")
+    ids = torch.randint(0, 64, (2, 16))
+    o1, o2 = ref(ids, labels=ids), pat(ids, labels=ids)
+    assert (o1.logits - o2.logits).abs().max() <= FP32_REL * o1.logits.abs().max()
+    o1.loss.backward()
+    o2.loss.backward()
+    _check_grads(ref, pat)
+    ex = pat.model.layers[0].mlp.experts
+    assert ex.gate_up_proj_bias.grad.abs().sum() > 0 and ex.down_proj_bias.grad.abs().sum() > 0
+
+
+def test_deepseek_v4_hash_layer_reported():
+    model = _build("deepseek_v4")
+    report = mh.apply(model)
+    hashed = [e for e in report.left_alone if e.kind == "router"]
+    assert [e.name for e in hashed] == ["model.layers.0.mlp.gate"]
+    assert "hash" in hashed[0].detail
+
+
+# ------------------------------------------------------------------------------ bad input ---
+def test_dense_model_is_refused_unchanged():
+    cfg = tf.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="no Mixture-of-Experts block.*nothing was changed"):
+        mh.apply(model)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert not hasattr(model, "_moegrad_hf_state")
+
+
+def test_options_are_checked():
+    model = _build("olmoe")
+    with pytest.raises(TypeError):
+        mh.apply(model, routers=True)  # unknown option
+    with pytest.raises(TypeError, match="router: must be True or False"):
+        mh.apply(model, router="yes")
+    with pytest.raises(ValueError, match="both False"):
+        mh.apply(model, router=False, experts=False)
+    with pytest.raises(TypeError, match="model: must be a torch.nn.Module"):
+        mh.apply("olmoe")
+    assert model.config._experts_implementation == "eager"
+
+
+def test_mixed_dtypes_and_devices_raise_moegrad_errors():
+    model = _build("qwen3_moe")
+    mh.apply(model)
+    ex = model.model.layers[0].mlp.experts
+    H, K = model.config.hidden_size, model.config.num_experts_per_tok
+    idx = torch.randint(0, 8, (4, K))
+    w = torch.rand(4, K)
+    with pytest.raises(moegrad.MoeError, match=r"gate_up_proj: dtype must be .*got torch.float32"):
+        ex(torch.randn(4, H, dtype=torch.bfloat16), idx, w)
+    with pytest.raises(moegrad.MoeError, match="top_k_weights: must be on hidden_states' device"):
+        ex(torch.randn(4, H), idx, w.to("meta"))
+    with pytest.raises(moegrad.MoeError, match="top_k_index: must be"):
+        ex(torch.randn(4, H), idx[:3], w)
+    with pytest.raises(moegrad.MoeError) as info:
+        ex(torch.randn(4, H), idx.to(torch.float32), w)
+    assert info.value.code == 161002
+
+
+# --------------------------------------------------------------------- demo --hf ARCH -------
+# Three architectures, one per code path (softmax router + plain experts, grouped sigmoid router
+# + shared experts, biased transposed experts); every architecture runs the same function.
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_demo_hf_trains_both_and_reports_side_by_side(arch, tmp_path, rng, capsys):
+    """python -m moegrad.demo --hf ARCH, a few tiny steps: both loss curves and both tokens/s in
+    the table, the JSON and the plot; the same-state checks pass."""
+    import json
+
+    from moegrad import demo
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = demo.main(["--hf", arch, "--data", str(text), "--steps", "3", "--batch", "2",
+                    "--seq", "16", "--d-model", "32", "--d-expert", "16", "--quiet",
+                    "--json", str(out_json), "--plot", str(out_png)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "moegrad.hf" in printed and "transformers grouped_mm" in printed
+    assert "tokens / s" in printed
+    r = json.loads(out_json.read_text())
+    assert r["hf_arch"] == arch and r["passed"] and len(r["losses"]) == 3
+    assert len(r["losses_reference"]) == 3
+    assert r["tokens_per_s_moegrad"] > 0 and r["tokens_per_s_reference"] > 0
+    assert all(c["status"] in ("ok", "tie") for c in r["same_state_checks"])
+    assert r["patched"] and out_png.stat().st_size > 0
+
+
+def test_demo_hf_rejects_unknown_arch(capsys):
+    from moegrad import demo
+    with pytest.raises(SystemExit):
+        demo.main(["--hf", "llama"])
+    assert "--hf must be one of" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- bench --hf (smoke) ---
+def test_bench_hf_quick(tmp_path, capsys):
+    """python -m moegrad.bench --hf --quick: runs, every backend timed, a markdown row per
+    configuration, JSON records with the split and the peaks. No timing is asserted."""
+    import json
+
+    from moegrad.bench import main
+    out = tmp_path / "b.json"
+    rc = main(["--hf", "--quick", "--archs", "gpt_oss", "--dtypes", "fp32", "--no-compile",
+               "--json", str(out)])
+    assert rc == 0
+    assert "| gpt_oss | float32 |" in capsys.readouterr().out
+    r = json.loads(out.read_text())["records"][0]
+    for k in ("moegrad_ms", "eager_ms", "grouped_mm_ms", "moegrad_non_gemm_ms",
+              "grouped_mm_non_gemm_ms", "moegrad_peak_mb", "grouped_mm_peak_mb"):
+        assert r[k] >= 0, k
+    assert any("router" in p for p in r["patched"])
