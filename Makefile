@@ -6,13 +6,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 JOBS ?= $(shell nproc)
+# pytest-xdist workers for the Python suites (0: one process).
+PYTEST_JOBS ?= $(JOBS)
 SOURCES := $(shell find src include python cmake -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 CPP_TEST_SOURCES := $(shell find tests/cpp tests/consumer examples -type f 2>/dev/null)
 # The CI build (CI=true, set by .ci/run) turns compiler warnings into errors; local builds only
 # show them (docs/decisions.md L63).
 WERROR := $(if $(filter true 1 yes,$(CI)),ON,OFF)
 
-.PHONY: demo test test-python test-cpp bench setup clean fuzz fuzz-build test-asan
+.PHONY: demo test test-python test-cpp cpp-build bench setup clean fuzz fuzz-build test-asan
 
 demo: $(VENV)/.installed
 	$(PY) -m moegrad.demo $(ARGS)
@@ -20,10 +22,12 @@ demo: $(VENV)/.installed
 test: test-python test-cpp
 
 test-python: $(VENV)/.installed
-	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/python -q -n $(PYTEST_JOBS) $(PYTEST_ARGS)
 
 test-cpp: build/cpp/.built
 	ctest --test-dir build/cpp --output-on-failure -j $(JOBS)
+
+cpp-build: build/cpp/.built
 
 bench: $(VENV)/.installed
 	$(PY) -m moegrad.bench $(ARGS)
@@ -61,19 +65,23 @@ FUZZERS := fuzz_gating_top_k fuzz_gating_top_k_backward fuzz_finalize_routing \
 # libFuzzer harnesses under ASan + UBSan (clang); FUZZ_SECONDS per harness, non-zero exit on
 # any finding. FUZZ_RUNS=N stops each harness after N inputs instead.
 fuzz: build/fuzz/.built
-	bash tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_RUNS)
+	FUZZ_JOBS=$(JOBS) bash tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_RUNS)
 
 fuzz-build: build/fuzz/.built
 
+# Without CUDA and with one Highway target (docs/testing.md, L211): the harnesses call the CPU
+# backend, and every SIMD target is tested by the plain C++ suite.
 build/fuzz/.built: $(VENV)/.deps $(SOURCES) $(FUZZ_SOURCES)
 	CC=clang-16 CXX=clang++-16 cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DMOEGRAD_BUILD_FUZZERS=ON -DMOEGRAD_SANITIZE=address,undefined >/dev/null
+	  -DMOEGRAD_BUILD_FUZZERS=ON -DMOEGRAD_SANITIZE=address,undefined -DMOEGRAD_WITH_CUDA=OFF \
+	  -DMOEGRAD_HWY_ONE_TARGET=ON >/dev/null
 	cmake --build build/fuzz -j $(JOBS) --target $(FUZZERS)
 	touch $@
 
 # The whole C++ suite and the Python suite against an ASan + UBSan build (scripts/test-asan.sh).
+# ASAN_STEPS picks steps of it: build, cpp, python (default: all three).
 test-asan: $(VENV)/.deps
-	JOBS=$(JOBS) bash scripts/test-asan.sh $(PYTEST_ARGS)
+	JOBS=$(JOBS) PYTEST_JOBS=$(PYTEST_JOBS) bash scripts/test-asan.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf build
