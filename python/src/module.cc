@@ -286,6 +286,10 @@ NB_MODULE(_C, m) {
     nb::gil_scoped_release release;
     stream_copy(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(dst), n);
   }, nb::arg("src"), nb::arg("dst"), nb::arg("n"));
+  m.def("_dependent_adds", [](int64_t n) {
+    nb::gil_scoped_release release;
+    return dependent_adds(n);
+  }, nb::arg("n"));
 
   // ---- the two stages of the Python front: plan_<op>(inputs, attrs) -> (plan, outputs,
   // workspace bytes); run(plan, outputs, workspace, stream) ----

@@ -111,5 +111,22 @@ void stream_copy(const float* src, float* dst, int64_t n) {
   });
 }
 
+uint64_t dependent_adds(int64_t n) {
+  uint64_t x = static_cast<uint64_t>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t v = static_cast<uint64_t>(i);
+    // The empty asm keeps each addition as one instruction on the chain (no folding).
+#if defined(__GNUC__)
+#define MOEGRAD_ADD x += v; __asm__ volatile("" : "+r"(x))
+#else
+#define MOEGRAD_ADD x += v
+#endif
+    MOEGRAD_ADD; MOEGRAD_ADD; MOEGRAD_ADD; MOEGRAD_ADD;
+    MOEGRAD_ADD; MOEGRAD_ADD; MOEGRAD_ADD; MOEGRAD_ADD;
+#undef MOEGRAD_ADD
+  }
+  return x;
+}
+
 }  // namespace moegrad
 #endif  // HWY_ONCE
