@@ -131,7 +131,7 @@ def test_time_interleaved_times_only_calls_after_a_lead_in(monkeypatch):
 
     methods = {"a": [step("a", 5.0, 1.0)], "slow": [step("slow", 20.0, 20.0)]}
     budget = bench.Budget(min_calls=3, max_calls=3, seconds=10.0, warmup_calls=1)
-    monkeypatch.setattr(bench.time, "perf_counter", fake_perf_counter)
+    monkeypatch.setattr(bench.ops.time, "perf_counter", fake_perf_counter)
     med, _ = bench.time_interleaved(methods, budget, None, 3)
     assert med["a"] == 1.0, med           # every timed call of a followed a call of a
     assert med["slow"] == 20.0
@@ -157,14 +157,14 @@ def test_remeasure_low_copy_keeps_the_best_window(monkeypatch):
         name = next(r["op"] for r in records if r["copy_gbps"] == copy)
         return rec(name, again[name].pop(0))
 
-    monkeypatch.setattr(bench, "run_case", fake_run_case)
+    monkeypatch.setattr(bench.ops, "run_case", fake_run_case)
     meta = {}
     args = bench.parse_args(["--seed", "1"])
     bench.remeasure_low_copy(records, cases, args, 0, bench.Budget(), None, 1, meta)
     # with no time left nothing is measured again
     again2 = [rec("a", 80), rec("b", 40)]
     calls = []
-    monkeypatch.setattr(bench, "run_case", lambda *a, **k: calls.append(1) or rec("b", 80))
+    monkeypatch.setattr(bench.ops, "run_case", lambda *a, **k: calls.append(1) or rec("b", 80))
     bench.remeasure_low_copy(again2, cases[:2], args, 0, bench.Budget(), None, 1, {},
                              budget_s=-1.0)
     assert not calls and again2[1]["copy_low"] and again2[1]["attempts"] == 1
@@ -480,7 +480,7 @@ def test_probe_in_cache_measures_the_roofline_misses(monkeypatch):
         timed.append(len(fns))
         return {"kernel": 1e-3}, []
 
-    monkeypatch.setattr(bench, "time_interleaved", fake_time)
+    monkeypatch.setattr(bench.ops, "time_interleaved", fake_time)
     bench.probe_in_cache([miss, met, exempt], llc, bench.Budget(), 1, ref_copy=80.0)
     assert timed == [1] and "in_cache" not in met and "in_cache" not in exempt
     c = miss["in_cache"]
@@ -516,7 +516,7 @@ def test_probe_same_size_copy_times_the_misses_against_a_copy_of_their_bytes(mon
         methods["copy"][1]()    # a real copy
         return {"kernel": 2e-5, "copy": 1e-5}, []
 
-    monkeypatch.setattr(bench, "time_interleaved", fake_time)
+    monkeypatch.setattr(bench.ops, "time_interleaved", fake_time)
     bench.probe_same_size_copy([miss, met, exempt], 32 << 20, bench.Budget(), 1)
     assert seen == [dict(kernel=3, copy=3)]
     assert "same_size_copy" not in met and "same_size_copy" not in exempt

@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moegrad
-from moegrad import _C, _ops
+from moegrad import _C
+from moegrad.ops._registry import OPS
 from _util_validation import gen  # noqa: F401  (fixture: a seeded torch.Generator)
 
 PARAM_INVALID, FINALIZE = 161002, 561103
@@ -117,7 +118,7 @@ def test_int64_indices_reach_cpp_without_a_host_read(gen, i):
     calls64 = _calls(torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,),
                                                                     generator=gen))))
     name, _, args, kwargs = calls64[i]
-    impl = getattr(_ops, name)._init_fn  # the op's eager body, under the recorder
+    impl = OPS[name]._init_fn  # the op's eager body, under the recorder
     rec = _Recorder()
     with rec:
         out64 = impl(*args, **kwargs)
@@ -159,7 +160,7 @@ class _CountingPacket:
 
 
 def _count_packet(monkeypatch, name):
-    op = getattr(_ops, name)
+    op = OPS[name]
     counter = _CountingPacket(op._packet)
     monkeypatch.setattr(op, "_packet", counter)
     return counter

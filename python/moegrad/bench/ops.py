@@ -1,46 +1,14 @@
-"""moegrad benchmark: every operator at real MoE model shapes, against PyTorch eager and
-torch.compile of the same formula, with bytes moved, achieved bandwidth and roofline fraction.
-
-    python -m moegrad.bench                      # full run (tens of minutes on 2 cores)
-    python -m moegrad.bench --quick              # about a minute
-    python -m moegrad.bench --json docs/perf.json --plot docs/perf.png
-    python -m moegrad.bench --ops swiglu_group_quant_backward --models deepseek_v3 --tokens 4096
-    python -m moegrad.bench --from-json a.json,b.json --markdown results.md   # re-render, merge
-
-Method (details in docs/performance.md):
-* Per case (operator x model x dtype x token count) the inputs are built once, then cloned into
-  ``n_sets`` buffer sets whose total size exceeds the last-level cache (four times over), and
-  successive calls rotate through the sets, so a call does not find its data in cache
-  (``cold`` in the record says whether the rotation reached 2 x LLC; the tiniest cases are
-  capped at MAX_SETS sets and are warm, they measure call overhead anyway).
-* Four timings, same run, same threads, median over calls after warm-up:
-  ``ms_moegrad`` the public function (``moegrad.<op>``: custom-op dispatch, output allocation,
-  the kernel); ``ms_kernel`` the native call ``moegrad._C.<op>`` into preallocated, rotating
-  outputs; ``ms_eager`` the plain-PyTorch formula of ``moegrad.reference_torch``;
-  ``ms_compile`` ``torch.compile`` (inductor, static shapes) of that same formula. The four
-  are interleaved in rounds with copy-bandwidth samples (``time_interleaved``), so every ratio
-  of a record compares numbers taken in the same window of time.
-* ``bytes``: each input read once plus each output written once (BYTES table below).
-  ``gbps`` = bytes / ms_kernel, ``roofline_frac`` = gbps / ``copy_gbps``, the median of the
-  case's copy samples: ``Tensor.copy_`` of a 128 MB buffer (at least 4 x LLC) on the same
-  threads, counted as 2 x size (read + write). The VM's bandwidth has slow and fast phases
-  (42 to 80 GB/s on the development machine): cases whose window fell below 0.85 x the run's
-  reference (the highest of the cases' copy bandwidths) are measured again at the end of the
-  run, up to twice (within half the run's time), and the attempt with the highest copy
-  bandwidth is kept (``attempts``, ``copy_low``; ``remeasure_low_copy``).
-* Before timing, each case is checked once: moegrad's outputs against the eager formula (and
-  the compiled one against eager) with ``torch.testing.assert_close``; a mismatch is reported in
-  the table and in the record's ``check`` field, and makes the exit status 1.
+"""The benchmark's measurements: model shapes, cases, byte counts, interleaved timing, the
+copy-bandwidth probe, the per-case run, the T=16 call-overhead mode and the re-measuring
+and probing passes. Method: the package docstring (moegrad.bench) and docs/performance.md.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -53,6 +21,8 @@ from torch import Tensor
 import moegrad
 from moegrad import _C
 from moegrad import reference_torch as ref
+from moegrad.ops._registry import OPS as REGISTERED
+
 
 # ---------------------------------------------------------------------------------------------
 # Models (per-device shapes). H = model hidden size, F = expert (MoE FFN) hidden size, so the
@@ -628,6 +598,17 @@ def format_row(r: dict) -> str:
             f"{_fmt_x(r['speedup_eager']):>7} {_fmt_x(r['speedup_compile']):>7}  {r['check']}")
 
 
+def target_checks(r: dict) -> Dict[str, Optional[bool]]:
+    """Which targets a T = TARGET_TOKENS record meets (None: not applicable or not measured)."""
+    bwd = r["op"] in BACKWARD_OPS
+    cmp_ = r.get("speedup_compile")
+    return dict(
+        roofline=None if r["op"] in ROOF_EXEMPT else r["roofline_frac"] >= TARGET_ROOF,
+        eager=(r["speedup_eager"] >= TARGET_EAGER_BWD) if bwd else None,
+        compile=None if cmp_ is None else cmp_ >= (TARGET_COMPILE_BWD if bwd
+                                                   else TARGET_COMPILE_FWD))
+
+
 def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
              do_compile: bool, budget: Budget, probe: Optional["CopyProbe"] = None,
              rounds: int = 1) -> dict:
@@ -733,14 +714,13 @@ def mirror_ops(names: Sequence[str]):
     register_autograd, so both registration styles are timed side by side on the same code.
     Returns {name: (custom_op packet, library packet)}."""
     global _MIRRORS
-    from . import _ops
     if _MIRRORS is None:
         _MIRRORS = (torch.library.Library("moegrad_ovh_lib", "DEF"), {})
     lib, out = _MIRRORS
     for name in names:
         if name in out:
             continue
-        op = getattr(_ops, name)
+        op = REGISTERED[name]
         body = getattr(op, "_init_fn", None) or getattr(op, "_body")
         fake, bwd = op._abstract_fn, op._backward_fn
         setup = op._setup_context_fn
@@ -764,7 +744,6 @@ def run_overhead(args) -> int:
     formula, and the two torch.library registration styles on the same body. Warm (one buffer
     set): at this size the call overhead is a large part of the time. Rounds interleave the
     variants; each variant's time is the best round's mean, in microseconds."""
-    from . import _ops
     tokens = args.tokens[0] if args.tokens else 16
     model = (args.models or ["gpt_oss"])[0]
     dt = (args.dtypes or ["bf16"])[0]
@@ -781,7 +760,7 @@ def run_overhead(args) -> int:
         case = build_case(op, model, dt, tokens)
         d = case.make(torch.Generator().manual_seed(args.seed))
         cop, libop = mirrors[op]
-        body = getattr(getattr(_ops, op), "_init_fn")
+        body = REGISTERED[op]._init_fn
         fns = {
             "public": functools.partial(getattr(moegrad, op), *d.api_args, **d.api_kwargs),
             "custom_op": functools.partial(cop, *d.api_args, **d.api_kwargs),
@@ -812,320 +791,6 @@ def run_overhead(args) -> int:
                 timespec="seconds"), torch=torch.__version__, moegrad=moegrad.__version__,
                 loadavg=os.getloadavg()[0]), records=records), f, indent=1)
     return 0
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m moegrad.bench", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="PATH", help="write {meta, records[]} as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of roofline fraction per op/size")
-    p.add_argument("--markdown", metavar="PATH", help="write the results as markdown tables")
-    p.add_argument("--from-json", metavar="PATH[,PATH...]", type=lambda s: s.split(","),
-                   help="measure nothing: load earlier --json files (later files replace the "
-                   "same cases of earlier ones) and print / write the table, plot, markdown")
-    p.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
-    p.add_argument("--overhead", action="store_true",
-                   help="per-call time of each public op at T=16 (gpt_oss, bf16) against eager, "
-                   "with both torch.library registration styles (custom_op, Library)")
-    p.add_argument("--tiny", action="store_true",
-                   help="smallest smoke run (T=1,16; bf16; short timing) for tests")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="threads for moegrad, eager and compile (default: available cores)")
-    p.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS),
-                   help="comma-separated operator names (default: all six)")
-    p.add_argument("--models", type=lambda s: s.split(","), default=None,
-                   help=f"comma-separated subset of {','.join(MODELS)}")
-    p.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
-                   help="comma-separated subset of fp32,bf16,fp16 (default fp32,bf16)")
-    p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                   help=f"comma-separated token counts (default {FULL_TOKENS})")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu (default) or cuda: the GPU benchmark of moegrad.bench_cuda")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--seed", type=int, default=None, help="input seed (default: random, printed)")
-    p.add_argument("--mem-limit-gb", type=float, default=DEFAULT_MEM_LIMIT_GB,
-                   help="skip cases estimated above this footprint (default %(default)s)")
-    p.add_argument("--max-sets", type=int, default=MAX_SETS, help=argparse.SUPPRESS)
-    p.add_argument("--seconds", type=float, default=None,
-                   help="timing budget per method per case (default 0.25; quick 0.1)")
-    args = p.parse_args(argv)
-    bad = [o for o in args.ops if o not in OPS]
-    if bad:
-        p.error(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
-    if args.models and any(m not in MODELS for m in args.models):
-        p.error(f"unknown model in {args.models}; choose from {', '.join(MODELS)}")
-    if args.dtypes and any(d not in DTYPES for d in args.dtypes):
-        p.error(f"unknown dtype in {args.dtypes}; choose from {', '.join(DTYPES)}")
-    if args.threads < 1:
-        p.error("--threads must be >= 1")
-    return args
-
-
-def summarize(records: List[dict]) -> List[dict]:
-    """Per op and dtype, the largest case run (most bytes): the numbers the targets speak of."""
-    best: Dict[Tuple[str, str], dict] = {}
-    for r in records:
-        key = (r["op"], r["dtype"])
-        if key not in best or r["bytes"] > best[key]["bytes"]:
-            best[key] = r
-    rows = []
-    for op in OPS:
-        for dt in DTYPES:
-            r = best.get((op, dt))
-            if r is None:
-                continue
-            rows.append(dict(op=op, dtype=dt, model=r["model"], T=r["shape"]["T"],
-                             bytes=r["bytes"], roofline_frac=r["roofline_frac"],
-                             speedup_eager=r["speedup_eager"],
-                             speedup_compile=r["speedup_compile"],
-                             ms_moegrad=r["ms_moegrad"], ms_kernel=r["ms_kernel"],
-                             ms_compile=r["ms_compile"]))
-    return rows
-
-
-def target_checks(r: dict) -> Dict[str, Optional[bool]]:
-    """Which targets a T = TARGET_TOKENS record meets (None: not applicable or not measured)."""
-    bwd = r["op"] in BACKWARD_OPS
-    cmp_ = r.get("speedup_compile")
-    return dict(
-        roofline=None if r["op"] in ROOF_EXEMPT else r["roofline_frac"] >= TARGET_ROOF,
-        eager=(r["speedup_eager"] >= TARGET_EAGER_BWD) if bwd else None,
-        compile=None if cmp_ is None else cmp_ >= (TARGET_COMPILE_BWD if bwd
-                                                   else TARGET_COMPILE_FWD))
-
-
-def compile_ceiling(r: dict) -> Optional[float]:
-    """The public-op-vs-compile ratio the record's window allowed, were the public op's kernel
-    at exactly the window's copy bandwidth (a read-mostly loop reaches 1.0-1.1 of the copy on
-    the development machine: `stream_read_sum` in moegrad_bench_kernels, docs/decisions.md
-    L142): ms_compile / (bytes / copy + the public op's measured cost beyond its kernel, i.e.
-    output allocation and first touch, which compile's fresh output pays too). None without a
-    compile time."""
-    if r.get("ms_compile") is None or not r.get("copy_gbps"):
-        return None
-    floor_ms = r["bytes"] / (r["copy_gbps"] * 1e9) * 1e3
-    return r["ms_compile"] / (floor_ms + max(0.0, r["ms_moegrad"] - r["ms_kernel"]))
-
-
-def targets_markdown(records: List[dict]) -> str:
-    """One row per case at TARGET_TOKENS: each target's figure and whether it is met."""
-    rows = [r for r in records if r["shape"]["T"] == TARGET_TOKENS]
-    if not rows:
-        return ""
-    lines = [f"Targets at T = {TARGET_TOKENS} (roofline ≥ {TARGET_ROOF:.2f} of the copy "
-             f"bandwidth, the gating top-k forward exempt; backward ≥ {TARGET_EAGER_BWD:g}× "
-             f"eager and ≥ {TARGET_COMPILE_BWD:g}× compile; forward ≥ {TARGET_COMPILE_FWD:g}× "
-             "compile); ✗ marks a miss:", "",
-             "| op | model | dtype | kernel GB/s | copy GB/s | roofline | vs eager | vs compile "
-             "| in cache GB/s | same-size copy GB/s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    met = total = 0
-    for r in rows:
-        t = target_checks(r)
-        met += sum(v is True for v in t.values())
-        total += sum(v is not None for v in t.values())
-
-        def cell(text, ok):
-            return text if ok is None or ok else f"{text} ✗"
-        if r["op"] in ROOF_EXEMPT:
-            roof = f"exempt ({1e6 * r['ms_kernel'] / r['shape']['T']:.0f} ns/token)"
-        else:
-            roof = cell(f"{r['roofline_frac']:.2f}", t["roofline"])
-        cmp_ = r.get("speedup_compile")
-        eag = cell(f"{r['speedup_eager']:.1f}×", t["eager"])
-        cmp_txt = "–" if cmp_ is None else cell(f"{cmp_:.2f}×", t["compile"])
-        ceiling = compile_ceiling(r) if t["compile"] is False else None
-        if ceiling is not None:
-            cmp_txt += f" (ceiling {ceiling:.2f}×)"
-        low = "*" if r.get("copy_low") else ""
-        c = r.get("in_cache")
-        cache = "" if c is None else (f"{c['gbps']:.1f} (T={c['T']}"
-                                      + (", compute-bound)" if c["compute_bound"] else ")"))
-        sc = r.get("same_size_copy")
-        same = "" if sc is None else f"{sc['gbps']:.1f} (kernel {sc['kernel_frac']:.2f})"
-        lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['gbps']:.1f} | "
-                     f"{r['copy_gbps']:.1f}{low} | {roof} | {eag} | {cmp_txt} | {cache} "
-                     f"| {same} |")
-    lines += ["", f"{met} of {total} target checks met."]
-    if any(r.get("in_cache") for r in rows):
-        lines += ["", "In cache: a roofline miss's kernel on one buffer set at the largest "
-                  f"halving of T that moves at most {IN_CACHE_LLC_FRACTION:g} × LLC (its "
-                  "compute alone); compute-bound where that rate is below "
-                  f"{TARGET_ROOF:.2f} × the run's reference copy bandwidth."]
-    if any(target_checks(r)["compile"] is False for r in rows):
-        lines += ["", "Ceiling (a vs-compile miss): compile's time over the public op's least "
-                  "possible time in that window, i.e. its bytes at 1.0 of the window's copy "
-                  "bandwidth plus its measured cost beyond the kernel (output allocation and "
-                  "first touch, which compile's own output pays as well). Below the target, "
-                  "the kernel would have had to beat the copy bandwidth."]
-    if any(r.get("same_size_copy") for r in rows):
-        lines += ["", "Same-size copy: `Tensor.copy_` of a miss's bytes per call through as "
-                  "many buffer sets, interleaved with the kernel in one window; in brackets the "
-                  "kernel's rate of that window as a fraction of the copy's."]
-    return "\n".join(lines) + "\n"
-
-
-def print_summary(rows: List[dict]) -> None:
-    print("\nlargest case per op and dtype (targets for backward ops at large shapes, 2 threads: "
-          "roof >= 0.70, >= 4x eager, >= 1.5x compile):")
-    print(f"{'op':<28} {'dt':<4} {'model':<12} {'T':>6} {'MB':>9} {'roof':>5} {'vs eag':>7} "
-          f"{'vs cmp':>7} {'moegrad':>9} {'kernel':>9} {'compile':>9}")
-    for r in rows:
-        print(f"{r['op']:<28} {r['dtype']:<4} {r['model']:<12} {r['T']:>6} "
-              f"{r['bytes'] / 1e6:>9.1f} {r['roofline_frac']:>5.2f} "
-              f"{_fmt_x(r['speedup_eager']):>7} {_fmt_x(r['speedup_compile']):>7} "
-              f"{_fmt_ms(r.get('ms_moegrad')):>9} {_fmt_ms(r.get('ms_kernel')):>9} "
-              f"{_fmt_ms(r.get('ms_compile')):>9}")
-
-
-def make_plot(records: List[dict], path: str, meta: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = [o for o in OPS if any(r["op"] == o for r in records)]
-    cols = min(3, max(1, len(ops)))
-    rows = math.ceil(len(ops) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
-    for ax, op in zip(axes.flat, ops):
-        series: Dict[Tuple[str, str], List[Tuple[int, float]]] = {}
-        for r in records:
-            if r["op"] == op:
-                series.setdefault((r["model"], r["dtype"]), []).append(
-                    (r["bytes"], r["roofline_frac"]))
-        for (model, dt), pts in sorted(series.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts],
-                    marker="o" if dt == "bf16" else "s",
-                    linestyle="-" if dt == "bf16" else "--", label=f"{model} {dt}")
-        ax.axhline(0.7, color="grey", linewidth=0.8, linestyle=":")
-        ax.set_xscale("log")
-        ax.set_title(op, fontsize=10)
-        ax.set_xlabel("bytes moved per call")
-        ax.set_ylabel("achieved / copy bandwidth")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(ops):]:
-        ax.axis("off")
-    runs = meta.get("merged_from") or [meta]
-    fig.suptitle(f"moegrad roofline fraction ({meta['threads']} threads, copy "
-                 + ", ".join(f"{m['copy_gbps']:.1f}" for m in runs) + " GB/s; "
-                 + ", ".join(m["date"] for m in runs) + ")", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _record_key(r: dict) -> Tuple[str, str, str, int]:
-    return (r["op"], r["model"], r["dtype"], r["shape"]["T"])
-
-
-def _record_order(r: dict):
-    op, model, dt, t = _record_key(r)
-    return (OPS.index(op) if op in OPS else 99, list(MODELS).index(model) if model in MODELS
-            else 99, t, list(DTYPES).index(dt) if dt in DTYPES else 99)
-
-
-def load_records(paths: Sequence[str]) -> Tuple[dict, List[dict]]:
-    """Merge the records of earlier --json files; a later file's case replaces an earlier one."""
-    merged: Dict[Tuple[str, str, str, int], dict] = {}
-    metas = []
-    for path in paths:
-        with open(path) as f:
-            doc = json.load(f)
-        metas.append(doc["meta"])
-        for r in doc["records"]:
-            merged[_record_key(r)] = dict(r, run=len(metas) - 1)
-    meta = dict(metas[0])
-    if len(metas) > 1:
-        meta["merged_from"] = [dict(path=p, date=m["date"], copy_gbps=m["copy_gbps"],
-                                    copy_gbps_end=m.get("copy_gbps_end"),
-                                    loadavg_start=m.get("loadavg_start"),
-                                    loadavg_end=m.get("loadavg_end"))
-                               for p, m in zip(paths, metas)]
-    done = set(merged)
-    meta["skipped"] = [sk for m in metas for sk in m.get("skipped", [])
-                       if (sk["op"], sk["model"], sk["dtype"], sk["T"]) not in done]
-    records = sorted(merged.values(), key=_record_order)
-    meta["summary"] = summarize(records)
-    return meta, records
-
-
-def markdown_table(meta: dict, records: List[dict]) -> str:
-    """The results as markdown: the largest case per op and dtype, then every case."""
-    def x(v):
-        return "–" if v is None else f"{v:.1f}×"
-
-    def ms(v):
-        return "–" if v is None else _fmt_ms(v)
-
-    runs = meta.get("merged_from") or [meta]
-    lines = [f"{meta['threads']} threads; copy bandwidth "
-             + ", ".join(f"{m['copy_gbps']:.1f} GB/s (start) / "
-                         f"{(m.get('copy_gbps_end') or float('nan')):.1f} GB/s (end), "
-                         f"run of {m['date']}" for m in runs)
-             + (f"; reference (the best case's window) "
-                f"{meta['copy_gbps_reference']:.1f} GB/s" if meta.get("copy_gbps_reference")
-                else "")
-             + f"; torch {meta['torch']}, moegrad {meta['moegrad']}.", "",
-             "Largest case run per operator and dtype:", "",
-             "| op | dtype | model | T | MB | roofline | vs eager | vs compile | moegrad ms "
-             "| kernel ms | compile ms |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in meta["summary"]:
-        lines.append(f"| {r['op']} | {r['dtype']} | {r['model']} | {r['T']} | "
-                     f"{r['bytes'] / 1e6:.1f} | {r['roofline_frac']:.2f} | "
-                     f"{x(r['speedup_eager'])} | {x(r['speedup_compile'])} | "
-                     f"{ms(r.get('ms_moegrad'))} | {ms(r.get('ms_kernel'))} | "
-                     f"{ms(r.get('ms_compile'))} |")
-    targets = targets_markdown(records)
-    if targets:
-        lines += ["", targets.rstrip("\n")]
-    lines += ["", "All cases (ms are medians; moegrad = public op, kernel = native call into "
-              "preallocated outputs; GB/s and roofline from kernel; speedups against moegrad):",
-              "", "| op | model | dtype | T | MB | moegrad ms | kernel ms | eager ms | compile ms "
-              "| GB/s | copy GB/s | roofline | vs eager | vs compile | check |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in records:
-        lines.append(f"| {r['op']} | {r['model']} | {r['dtype']} | {r['shape']['T']} | "
-                     f"{r['bytes'] / 1e6:.2f} | {ms(r['ms_moegrad'])} | {ms(r['ms_kernel'])} | "
-                     f"{ms(r['ms_eager'])} | {ms(r['ms_compile'])} | {r['gbps']:.1f} | "
-                     f"{r['copy_gbps']:.1f}{'*' if r.get('copy_low') else ''} | "
-                     f"{r['roofline_frac']:.2f} | {x(r['speedup_eager'])} | "
-                     f"{x(r['speedup_compile'])} | {r['check']} |")
-    if any(r.get("copy_low") for r in records):
-        lines += ["", "\\* the case's copy bandwidth stayed below 0.85 x the reference after "
-                  "re-measuring (the VM's slow phase)."]
-    if meta.get("skipped"):
-        lines += ["", "Skipped (memory): " + ", ".join(
-            f"{sk['op']} {sk['model']} {sk['dtype']} T={sk['T']}" for sk in meta["skipped"])]
-    return "\n".join(lines) + "\n"
-
-
-def write_outputs(meta: dict, records: List[dict], args) -> None:
-    for path in (args.json, args.plot, args.markdown):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, records=records), f, indent=1)
-    if args.plot and records:
-        make_plot(records, args.plot, meta)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown_table(meta, records))
-
-
-def report(args) -> int:
-    """--from-json: re-render (and merge) earlier runs without measuring anything."""
-    meta, records = load_records(args.from_json)
-    print(HEADER)
-    for r in records:
-        print(format_row(r))
-    print_summary(meta["summary"])
-    write_outputs(meta, records, args)
-    return 1 if any(r["check"] != "ok" for r in records) else 0
 
 
 LOW_COPY = 0.85      # a case whose copy samples fall below this x the run's best case ...
@@ -1254,125 +919,3 @@ def probe_same_size_copy(records: List[dict], llc: int, budget: Budget, seed: in
               f"{gbps:.1f} GB/s ({gbps / copy:.2f} of it)")
         del sets, copies
     sys.stdout.flush()
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--layer" in argv:
-        from .bench_layer import main as layer_main
-        return layer_main(argv)
-    args = parse_args(argv)
-    if args.from_json:
-        return report(args)
-    if args.device == "cuda":
-        from moegrad import bench_cuda
-        return bench_cuda.main(args)
-    if args.seed is None:
-        args.seed = int.from_bytes(os.urandom(4), "little")
-    if args.overhead:
-        prev = (torch.get_num_threads(), moegrad.get_num_threads())
-        try:
-            return run_overhead(args)
-        finally:
-            torch.set_num_threads(prev[0])
-            moegrad.set_num_threads(prev[1])
-    budget = Budget(seconds=args.seconds if args.seconds is not None
-                    else (0.03 if args.tiny else 0.1 if args.quick else 0.25))
-    if args.tiny:
-        budget.min_calls, budget.max_calls, args.max_sets = 3, 50, min(args.max_sets, 4)
-
-    prev_torch_threads = torch.get_num_threads()
-    prev_moegrad_threads = moegrad.get_num_threads()
-    t_start = time.time()
-    try:
-        torch.set_num_threads(args.threads)
-        moegrad.set_num_threads(args.threads)
-        llc, llc_src = llc_bytes()
-        copy_gbps = copy_bandwidth_gbps(args.threads, llc)
-        probe = CopyProbe(args.threads, llc)
-        mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        meta = dict(
-            date=datetime.datetime.now().isoformat(timespec="seconds"),
-            moegrad=moegrad.__version__, torch=torch.__version__, python=platform.python_version(),
-            cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-            threads=args.threads, llc_bytes=llc, llc_source=llc_src, copy_gbps=copy_gbps,
-            mem_total_gb=mem_total / 2**30, mem_limit_gb=args.mem_limit_gb, seed=args.seed,
-            mode="tiny" if args.tiny else "quick" if args.quick else "full",
-            loadavg_start=os.getloadavg()[0],
-            thp_mem_alloc_enable=os.environ.get("THP_MEM_ALLOC_ENABLE"),
-            bytes_definition={op: BYTES[op][0] for op in OPS}, skipped=[])
-        print(f"moegrad {meta['moegrad']} | torch {meta['torch']} | {meta['cores']} cores, "
-              f"threads={args.threads} | LLC {llc / 2**20:.0f} MiB ({llc_src}) | "
-              f"RAM {meta['mem_total_gb']:.0f} GiB | copy bandwidth {copy_gbps:.1f} GB/s | "
-              f"seed {args.seed} | load average {meta['loadavg_start']:.2f}")
-        print(f"cases above ~{args.mem_limit_gb:g} GB estimated footprint are skipped "
-              f"(this machine has {meta['mem_total_gb']:.0f} GiB and {meta['cores']} cores). "
-              "Times in ms (median); moegrad = public op, kernel = _C call into preallocated "
-              "outputs; GB/s and roof from kernel; speedups = eager or compile / moegrad.")
-        if meta["loadavg_start"] > 0.5:
-            print(f"warning: load average {meta['loadavg_start']:.2f} before the run: other "
-                  "processes compete for the cores; timings will be noisy")
-        print(HEADER)
-        sys.stdout.flush()
-        records: List[dict] = []
-        cases_run: List[Tuple[Case, bool]] = []
-        failures = 0
-        rounds = 2 if args.tiny else 4
-        for case, comp in select_cases(args):
-            n_sets = n_sets_for(case.bytes, llc, args.max_sets)
-            est = estimate_memory(case, n_sets, with_eager=True)
-            if est > args.mem_limit_gb * 1e9:
-                reason = f"~{est / 1e9:.1f} GB estimated > {args.mem_limit_gb:g} GB limit"
-                meta["skipped"].append(dict(op=case.op, model=case.model, dtype=case.dtype,
-                                            T=case.tokens, reason=reason))
-                print(f"{case.op:<28} {case.model:<12} {case.dtype:<4} {case.tokens:>6} "
-                      f"{case.desc:<30} skipped: {reason}")
-                continue
-            try:
-                rec = run_case(case, args, llc, copy_gbps, args.seed, comp, budget, probe,
-                               rounds)
-            except Exception as e:  # noqa: BLE001 - a failing case must not end the run
-                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-                meta.setdefault("errors", []).append(dict(op=case.op, model=case.model,
-                                                          dtype=case.dtype, T=case.tokens,
-                                                          error=msg))
-                print(f"{case.op:<28} {case.model:<12} {case.dtype:<4} {case.tokens:>6} "
-                      f"{case.desc:<30} ERROR {msg}")
-                failures += 1
-                continue
-            rec["attempts"] = 1
-            cases_run.append((case, comp))
-            records.append(rec)
-            failures += rec["check"] != "ok"  # a compile-baseline problem is only reported
-            print(format_row(rec) + ("" if rec["check_compile"] in (None, "ok")
-                                     else f" [compile: {rec['check_compile']}]"))
-            sys.stdout.flush()
-        # re-measuring may add at most half the run's time (and at least a minute)
-        remeasure_low_copy(records, cases_run, args, llc, budget, probe, rounds, meta,
-                           budget_s=max(60.0, 0.5 * (time.time() - t_start)))
-        if records:
-            probe_in_cache(records, llc, budget, args.seed, meta["copy_gbps_reference"])
-            probe_same_size_copy(records, llc, budget, args.seed, rounds)
-        meta["summary"] = summarize(records)
-        if records:
-            print_summary(meta["summary"])
-        del probe
-        copy_end = copy_bandwidth_gbps(args.threads, llc)
-        meta["copy_gbps_end"] = copy_end
-        meta["loadavg_end"] = os.getloadavg()[0]
-        meta["wall_s"] = time.time() - t_start
-        if abs(copy_end - copy_gbps) > 0.2 * copy_gbps:
-            print(f"warning: copy bandwidth changed during the run ({copy_gbps:.1f} -> "
-                  f"{copy_end:.1f} GB/s): the machine is probably busy; timings are noisy")
-        print(f"{len(records)} cases, {len(meta['skipped'])} skipped, {failures} failures, "
-              f"{meta['wall_s']:.0f} s; copy bandwidth at end {copy_end:.1f} GB/s, "
-              f"load average {meta['loadavg_end']:.2f}")
-        write_outputs(meta, records, args)
-        return 1 if failures else 0
-    finally:
-        torch.set_num_threads(prev_torch_threads)
-        moegrad.set_num_threads(prev_moegrad_threads)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ from torch import Tensor
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
 from moegrad import _C
-from moegrad._ops import _op
+from moegrad.ops._registry import _op
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
 

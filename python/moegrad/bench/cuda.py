@@ -25,7 +25,8 @@ import torch
 
 import moegrad
 from moegrad import _C
-from moegrad import bench as cpu_bench
+from . import ops as cpu_bench
+from . import report
 from moegrad import reference_torch as ref
 
 GPU_TOKENS = (4096, 16384, 65536)
@@ -158,10 +159,10 @@ def main(args) -> int:
         failures += rec["check"] != "ok"
         print(cpu_bench.format_row(rec))
         sys.stdout.flush()
-    meta["summary"] = cpu_bench.summarize(records)
+    meta["summary"] = report.summarize(records)
     meta["wall_s"] = time.time() - t0
     if records:
-        cpu_bench.print_summary(meta["summary"])
+        report.print_summary(meta["summary"])
     print(f"{len(records)} cases, {failures} failures, {meta['wall_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
