@@ -13,6 +13,9 @@ CPP_TEST_SOURCES := $(shell find tests/cpp tests/consumer examples -type f 2>/de
 # The CI build (CI=true, set by .ci/run) turns compiler warnings into errors; local builds only
 # show them (docs/decisions.md L63).
 WERROR := $(if $(filter true 1 yes,$(CI)),ON,OFF)
+# CUDA architectures of the package and C++ test builds (empty: CMakeLists.txt's list; .ci/run
+# compiles one, L212).
+CUDA_ARCHS ?=
 
 .PHONY: demo test test-python test-cpp cpp-build bench setup clean fuzz fuzz-build test-asan
 
@@ -45,11 +48,13 @@ $(VENV)/.deps: requirements-dev.txt build/.system-deps
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
-	$(PY) -m pip install -q --no-build-isolation --no-deps -C cmake.define.MOEGRAD_WERROR=$(WERROR) .
+	$(PY) -m pip install -q --no-build-isolation --no-deps -C cmake.define.MOEGRAD_WERROR=$(WERROR) \
+	  $(if $(CUDA_ARCHS),-C cmake.define.MOEGRAD_CUDA_ARCHS="$(CUDA_ARCHS)") .
 	touch $@
 
 build/cpp/.built: $(VENV)/.deps $(SOURCES) $(CPP_TEST_SOURCES)
-	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_WERROR=$(WERROR) >/dev/null
+	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_WERROR=$(WERROR) \
+	  $(if $(CUDA_ARCHS),-DMOEGRAD_CUDA_ARCHS="$(CUDA_ARCHS)") >/dev/null
 	cmake --build build/cpp -j $(JOBS)
 	touch $@
 
