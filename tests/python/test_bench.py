@@ -614,6 +614,8 @@ def test_roof_time_splits_reads_and_writes():
     assert roof.split_bytes((a, b, 7, a, out), (out,)) == (46, 16)
     bw = dict(read=2.0, write=0.5)
     assert roof.roof_seconds(4e9, 1e9, bw) == pytest.approx(2.0 + 2.0)
+    # a copy of N bytes at 2 N / copy seconds against its roof N / read + N / write
+    assert roof.copy_on_roof(dict(read=2.0, write=0.5, copy=1.6)) == pytest.approx(2.5 / 1.25)
 
 
 def test_clock_and_cycles_per_token():

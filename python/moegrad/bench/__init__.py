@@ -175,7 +175,8 @@ def main(argv=None) -> int:
               f"RAM {meta['mem_total_gb']:.0f} GiB | copy bandwidth {copy_gbps:.1f} GB/s | "
               f"seed {args.seed} | load average {meta['loadavg_start']:.2f}")
         print(f"streaming roof: read {roof_start['read']:.1f}, write {roof_start['write']:.1f}, "
-              f"copy {roof_start['copy']:.1f} GB/s (Tensor.copy_ {roof_start['torch_copy']:.1f}); "
+              f"copy {roof_start['copy']:.1f} GB/s (Tensor.copy_ {roof_start['torch_copy']:.1f}; "
+              f"the copy at {roof.copy_on_roof(roof_start):.2f} of the roof); "
               f"clock {meta['clock_ghz']:.2f} GHz")
         print(f"cases above ~{args.mem_limit_gb:g} GB estimated footprint are skipped "
               f"(this machine has {meta['mem_total_gb']:.0f} GiB and {meta['cores']} cores). "

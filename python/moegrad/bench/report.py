@@ -233,7 +233,8 @@ def markdown_table(meta: dict, records: List[dict]) -> str:
         if rs:
             re_ = m.get("roof_end") or {}
             lines += [f"Streaming roof (run of {m['date']}): read {rs['read']:.1f}, write "
-                      f"{rs['write']:.1f}, copy {rs['copy']:.1f} GB/s at the start"
+                      f"{rs['write']:.1f}, copy {rs['copy']:.1f} GB/s at the start (the copy "
+                      f"at {(1 / rs['read'] + 1 / rs['write']) * rs['copy'] / 2:.2f} of the roof)"
                       + (f"; {re_['read']:.1f}, {re_['write']:.1f}, {re_['copy']:.1f} GB/s at "
                          "the end" if re_ else "")
                       + (f"; clock {m['clock_ghz']:.2f} GHz" if m.get("clock_ghz") else "")

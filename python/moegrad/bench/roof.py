@@ -114,6 +114,13 @@ def roof_seconds(read_bytes: int, write_bytes: int, bw: Dict[str, float]) -> flo
     return read_bytes / (bw["read"] * 1e9) + write_bytes / (bw["write"] * 1e9)
 
 
+def copy_on_roof(bw: Dict[str, float]) -> float:
+    """The probe's own copy as a fraction of the roof of its bytes (a read and a write of the
+    buffer): above 1.0 where reads and writes overlap, i.e. what an op that reads and writes at
+    once may reach."""
+    return (1.0 / bw["read"] + 1.0 / bw["write"]) / (2.0 / bw["copy"])
+
+
 def clock_ghz(n: int = 20_000_000, reps: int = 5) -> float:
     """The calling core's clock, GHz: 8 n dependent additions (one per cycle), the fastest of
     `reps` (time taken from the thread by other processes only ever lengthens a rep)."""
