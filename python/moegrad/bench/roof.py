@@ -121,9 +121,10 @@ def copy_on_roof(bw: Dict[str, float]) -> float:
     return (1.0 / bw["read"] + 1.0 / bw["write"]) / (2.0 / bw["copy"])
 
 
-def clock_ghz(n: int = 20_000_000, reps: int = 5) -> float:
+def clock_ghz(n: int = 1_000_000, reps: int = 51) -> float:
     """The calling core's clock, GHz: 8 n dependent additions (one per cycle), the fastest of
-    `reps` (time taken from the thread by other processes only ever lengthens a rep)."""
+    `reps` short reps (about 2 ms each: time taken from the thread by other processes only
+    ever lengthens a rep, and a short one often runs whole on a busy machine)."""
     _C._dependent_adds(n // 10)  # lead-in: the core leaves any idle state
     times = []
     for _ in range(reps):
