@@ -1,4 +1,4 @@
-# Newcomer entry points (see README):  make demo   |   make test
+# Newcomer entry points (see README):  make demo   |   make test   |   make demo-ep
 # Every target installs what it needs: Debian packages, a virtual environment in .venv, and
 # moegrad itself (rebuilt only when a source file changed).
 SHELL := /bin/bash
@@ -17,10 +17,16 @@ WERROR := $(if $(filter true 1 yes,$(CI)),ON,OFF)
 # compiles one, L212).
 CUDA_ARCHS ?=
 
-.PHONY: demo test test-python test-cpp cpp-build bench setup clean fuzz fuzz-build test-asan
+.PHONY: demo demo-ep test test-python test-cpp cpp-build bench setup clean fuzz fuzz-build test-asan
 
 demo: $(VENV)/.installed
 	$(PY) -m moegrad.demo $(ARGS)
+
+# The demo model trained expert-parallel by EP processes (gloo on the CPU): torchrun, run through
+# the environment's python so that no activated .venv is needed (docs/demo.md).
+EP ?= 2
+demo-ep: $(VENV)/.installed
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $(EP) -m moegrad.demo --ep $(EP) $(ARGS)
 
 test: test-python test-cpp
 
@@ -42,17 +48,25 @@ build/.system-deps: scripts/install-system-deps.sh
 	@mkdir -p build && touch $@
 
 $(VENV)/.deps: requirements-dev.txt build/.system-deps
+	@echo "==> Creating .venv and installing PyTorch (CPU build) and the test tools:" \
+	  "about 1-2 minutes, most of it downloading."
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install --progress-bar on -r requirements-dev.txt
 	touch $@
 
+# pip -v shows CMake's output, so the compile prints its [done/total] progress lines.
 $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
-	$(PY) -m pip install -q --no-build-isolation --no-deps -C cmake.define.MOEGRAD_WERROR=$(WERROR) \
+	@echo "==> Compiling moegrad (C++17 kernels for every SIMD target, the Python module; CUDA" \
+	  "kernels when nvcc is found) and installing it into .venv: about 3-4 minutes on 2 cores" \
+	  "for a first build (longer with CUDA), seconds when little changed. Progress: [n/N] below."
+	$(PY) -m pip install -v --no-build-isolation --no-deps -C cmake.define.MOEGRAD_WERROR=$(WERROR) \
 	  $(if $(CUDA_ARCHS),-C cmake.define.MOEGRAD_CUDA_ARCHS="$(CUDA_ARCHS)") .
 	touch $@
 
 build/cpp/.built: $(VENV)/.deps $(SOURCES) $(CPP_TEST_SOURCES)
+	@echo "==> Building the C++ library, its tests and the C example in build/cpp: about 4-6" \
+	  "minutes on 2 cores the first time. Progress: [n/N] below."
 	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_WERROR=$(WERROR) \
 	  $(if $(CUDA_ARCHS),-DMOEGRAD_CUDA_ARCHS="$(CUDA_ARCHS)") >/dev/null
 	cmake --build build/cpp -j $(JOBS)

@@ -249,6 +249,10 @@ struct SwigluQuantAttrs {
   double clamp_limit = -1.0;  // -1 (off) or > 0, as for swiglu_group
   double dst_type_max = 15.0;  // HiFloat8 modes only: ignored by modes 0/1
   bool output_origin = false;  // also write y_origin (the WEIGHTED pre-quantisation output)
+  // dst_type is in the Python front's codes (torch_npu 291/292/290/296/297, torch ScalarType
+  // 23/24; other values read as aclDataType): translated by the validator, whose messages show
+  // the code as given (L153).
+  bool python_dst_codes = false;
 };
 // x [...,2H] fp32/fp16/bf16, rank 2..8; weight fp32 numel T or null; group_index [G] int64 or
 // null; scale: must be null (HiFloat8 only). Outputs: y [...,H] in dst_type (or uint8 storage);

@@ -17,6 +17,7 @@ from .ops import (moe_finalize_routing, moe_finalize_routing_grad,  # noqa: E402
                   moe_gating_top_k, moe_gating_top_k_backward, moe_init_routing,
                   moe_init_routing_grad, swiglu_group, swiglu_group_quant,
                   swiglu_group_quant_backward)
+from .ops import PermuteState, moe_permute, moe_unpermute  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -31,13 +32,17 @@ __all__ = [
     "swiglu_group_quant",
     "moe_init_routing",
     "moe_init_routing_grad",
+    "moe_permute",
+    "moe_unpermute",
+    "PermuteState",
     "set_num_threads",
     "get_num_threads",
 ]
 
 
 def set_num_threads(n: int) -> None:
-    """CPU threads of the kernels (n <= 0: OpenMP default). Results do not depend on it (D16)."""
+    """CPU threads of the kernels: n >= 1, or 0 for the OpenMP default. Results do not depend
+    on it (D16). A negative n raises MoeError 161002 (docs/decisions.md L173)."""
     _C.set_num_threads(n)
 
 

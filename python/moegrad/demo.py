@@ -741,8 +741,9 @@ def _run_ep(args, device) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.ep:
-        print(f"moegrad.demo: --ep {args.ep} needs torchrun --nproc-per-node {args.ep} "
-              f"(WORLD_SIZE is {world})", file=sys.stderr)
+        print(f"moegrad.demo: --ep {args.ep} needs {args.ep} processes (WORLD_SIZE is {world}): "
+              f"run .venv/bin/torchrun --standalone --nproc-per-node {args.ep} -m moegrad.demo "
+              f"--ep {args.ep}, or make demo-ep EP={args.ep}", file=sys.stderr)
         return 2
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank()

@@ -264,7 +264,15 @@ NB_MODULE(_C, m) {
 #else
   m.attr("cuda_built") = false;
 #endif
-  m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  // The C/C++ functions read n <= 0 as "the OpenMP default"; Python refuses a negative count,
+  // which is a mistake rather than a request (docs/decisions.md L173).
+  m.def("set_num_threads", [](int n) {
+    if (n < 0) {
+      throw Error(kErrParamInvalid,
+                  cat("set_num_threads: n: must be >= 0 (0: the OpenMP default); got ", n));
+    }
+    set_num_threads(n);
+  }, nb::arg("n"));
   m.def("get_num_threads", &get_num_threads);
   m.def("_validation_count", &validation_count);
   // Huge-page advice for a large host tensor moegrad allocates outside a plan (the expert GEMM
@@ -491,8 +499,10 @@ NB_MODULE(_C, m) {
            int64_t dst_type, int64_t quant_mode, int64_t block_size, bool round_scale,
            double clamp_limit, double dst_type_max, bool output_origin) {
           Args a;
-          SwigluQuantAttrs at{dst_type,    quant_mode,   block_size,   round_scale,
-                              clamp_limit, dst_type_max, output_origin};
+          // dst_type as the Python caller gave it (vendor or torch codes): the validator
+          // translates it and reports it unchanged (L153).
+          SwigluQuantAttrs at{dst_type,    quant_mode,   block_size,    round_scale,
+                              clamp_limit, dst_type_max, output_origin, true};
           return planned(prepare_swiglu_group_quant(a(x), a(weight), a(group_index), a(scale), at));
         });
 

@@ -3,7 +3,11 @@
 #ifndef MOEGRAD_CORE_CHECK_H_
 #define MOEGRAD_CORE_CHECK_H_
 
+#include <charconv>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <sstream>
@@ -50,11 +54,41 @@ Claim dim_claim(const TensorView& t, const char* arg, int d);
 Claim rank_claim(const TensorView& t, const char* arg);
 Claim half_dim_claim(const TensorView& t, const char* arg, int d);
 
-// Concatenates its arguments with operator<<.
+namespace detail {
+template <typename T>
+void put(std::ostringstream& os, const T& v) {
+  os << v;
+}
+// Floating-point values are written as Python's repr writes them (L154): the shortest digits
+// that read back as the same double, fixed notation for decimal exponents -4 <= X < 16 (with
+// ".0" when integral), else scientific. The stream's default 6 digits would report
+// clamp_limit = -0.9999999 as "-1". Inline: the library exports no internal symbols.
+inline void put(std::ostringstream& os, double v) {
+  if (!std::isfinite(v)) {
+    os << (std::isnan(v) ? "nan" : (v < 0 ? "-inf" : "inf"));
+    return;
+  }
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::scientific);
+  const char* e = static_cast<const char*>(std::memchr(buf, 'e', r.ptr - buf));
+  const long exp10 = e ? std::strtol(e + 1, nullptr, 10) : 0;
+  if (exp10 >= -4 && exp10 < 16) {
+    r = std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::fixed);
+    os.write(buf, r.ptr - buf);
+    if (!std::memchr(buf, '.', r.ptr - buf)) os << ".0";
+    return;
+  }
+  os.write(buf, r.ptr - buf);
+}
+inline void put(std::ostringstream& os, float v) { put(os, static_cast<double>(v)); }
+}  // namespace detail
+
+// Concatenates its arguments with operator<< (floating-point values in shortest round-trip
+// form), e.g. a message "<op>: <argument>: <rule>; got <value>".
 template <typename... Args>
 std::string cat(const Args&... args) {
   std::ostringstream os;
-  (os << ... << args);
+  (detail::put(os, args), ...);
   return os.str();
 }
 

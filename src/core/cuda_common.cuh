@@ -87,6 +87,19 @@ __device__ __forceinline__ Vec<T> ld_vec(const T* p) {  // p is 16-byte aligned
   for (int i = 0; i < Vec<T>::W; ++i) out.v[i] = to_f(raw.e[i]);
   return out;
 }
+// The same through the read-only (non-coherent) data cache: for inputs the kernel never writes.
+template <typename T>
+__device__ __forceinline__ Vec<T> ld_vec_nc(const T* __restrict__ p) {  // 16-byte aligned
+  union {
+    uint4 u;
+    T e[Vec<T>::W];
+  } raw;
+  raw.u = __ldg(reinterpret_cast<const uint4*>(p));
+  Vec<T> out;
+#pragma unroll
+  for (int i = 0; i < Vec<T>::W; ++i) out.v[i] = to_f(raw.e[i]);
+  return out;
+}
 template <typename T>
 __device__ __forceinline__ void st_vec(T* p, const Vec<T>& in) {  // p is 16-byte aligned
   union {
@@ -131,13 +144,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     r = warp_sum(r);
   }
   return r;
-}
-
-// Stable logistic function (D12): exp of a non-positive argument only; NaN propagates.
-__device__ __forceinline__ float sigmoid_f(float x) {
-  const float e = expf(-fabsf(x));
-  const float num = x >= 0.0f ? 1.0f : e;
-  return isnan(x) ? x : num / (1.0f + e);
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {

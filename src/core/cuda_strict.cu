@@ -31,6 +31,7 @@ void set_device(const char* op, int device) {
 namespace {
 
 constexpr unsigned long long kNone = ~0ull;
+constexpr uint64_t kInfoBytes = 5 * sizeof(unsigned long long);  // positions, then values
 
 // bad[0] = smallest flat position whose value lies outside [lo, hi).
 __global__ void range_kernel(const int32_t* __restrict__ idx, int64_t n, int64_t lo, int64_t hi,
@@ -64,6 +65,22 @@ __global__ void repeat_kernel(const int32_t* __restrict__ idx, int64_t n,
   }
 }
 
+// info[2..4] = the values the message names: idx at the first bad position, idx at the first
+// repeat and the position where that value first appeared; read with the positions in one copy.
+__global__ void details_kernel(const int32_t* __restrict__ idx, const unsigned long long* first,
+                               unsigned long long* info) {
+  info[2] = info[0] != kNone ? static_cast<unsigned long long>(
+                                   static_cast<long long>(idx[info[0]]))
+                             : 0;
+  info[3] = 0;
+  info[4] = 0;
+  if (info[1] != kNone) {
+    const int32_t v = idx[info[1]];
+    info[3] = static_cast<unsigned long long>(static_cast<long long>(v));
+    info[4] = first[v];
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -89,17 +106,18 @@ const int32_t* device_index32(const char* op, const TensorView& t, int32_t* scra
 }
 
 uint64_t strict_ws_bytes(int64_t hi, bool unique) {
-  return ws_round(16) + (unique ? ws_round(sizeof(unsigned long long) * static_cast<uint64_t>(hi)) : 0);
+  return ws_round(kInfoBytes) + (unique ? ws_round(sizeof(unsigned long long) * static_cast<uint64_t>(hi)) : 0);
 }
 
 void strict_check(const char* op, int32_t code, const char* arg, const int32_t* idx, int64_t n,
                   int64_t lo, int64_t hi, bool unique, void* ws, cudaStream_t stream) {
   if (n == 0) return;
   auto* bad = static_cast<unsigned long long*>(ws);
-  auto* first = reinterpret_cast<unsigned long long*>(static_cast<char*>(ws) + ws_round(16));
+  auto* first =
+      reinterpret_cast<unsigned long long*>(static_cast<char*>(ws) + ws_round(kInfoBytes));
   const int threads = 256;
   const unsigned int blocks = grid_blocks(n, threads);
-  check_cuda(op, "cudaMemsetAsync", cudaMemsetAsync(bad, 0xff, 16, stream));
+  check_cuda(op, "cudaMemsetAsync", cudaMemsetAsync(bad, 0xff, 16, stream));  // both positions
   range_kernel<<<blocks, threads, 0, stream>>>(idx, n, lo, hi, bad);
   if (unique && hi > 0) {
     check_cuda(op, "cudaMemsetAsync",
@@ -107,29 +125,24 @@ void strict_check(const char* op, int32_t code, const char* arg, const int32_t* 
     first_kernel<<<blocks, threads, 0, stream>>>(idx, n, first);
     repeat_kernel<<<blocks, threads, 0, stream>>>(idx, n, first, bad);
   }
+  if (!(unique && hi > 0)) first = nullptr;
+  details_kernel<<<1, 1, 0, stream>>>(idx, first, bad);
   check_launch(op);
-  unsigned long long host_bad[2];
+  // One asynchronous copy on the caller's stream, then the one wait of strict mode.
+  unsigned long long info[5];
   check_cuda(op, "strict index check copy",
-             cudaMemcpyAsync(host_bad, bad, sizeof(host_bad), cudaMemcpyDeviceToHost, stream));
+             cudaMemcpyAsync(info, bad, sizeof(info), cudaMemcpyDeviceToHost, stream));
   check_cuda(op, "strict index check", cudaStreamSynchronize(stream));
   const Validator v(op, code);
-  if (host_bad[0] != kNone) {
-    int32_t value = 0;
-    check_cuda(op, "strict index check copy",
-               cudaMemcpy(&value, idx + host_bad[0], sizeof(value), cudaMemcpyDeviceToHost));
-    v.fail(code, arg, cat("values must lie in [", lo, ", ", hi, "); got ", value,
-                          " at flat position ", host_bad[0], " (MOEGRAD_STRICT_INDICES=1)"));
-  }
-  if (host_bad[1] != kNone) {
-    int32_t value = 0;
-    unsigned long long seen = 0;
-    check_cuda(op, "strict index check copy",
-               cudaMemcpy(&value, idx + host_bad[1], sizeof(value), cudaMemcpyDeviceToHost));
-    check_cuda(op, "strict index check copy",
-               cudaMemcpy(&seen, first + value, sizeof(seen), cudaMemcpyDeviceToHost));
-    v.fail(code, arg, cat("each valid value must appear at most once; got ", value,
-                          " at flat positions ", seen, " and ", host_bad[1],
+  if (info[0] != kNone) {
+    v.fail(code, arg, cat("values must lie in [", lo, ", ", hi, "); got ",
+                          static_cast<int32_t>(info[2]), " at flat position ", info[0],
                           " (MOEGRAD_STRICT_INDICES=1)"));
+  }
+  if (info[1] != kNone) {
+    v.fail(code, arg, cat("each valid value must appear at most once; got ",
+                          static_cast<int32_t>(info[3]), " at flat positions ", info[4], " and ",
+                          info[1], " (MOEGRAD_STRICT_INDICES=1)"));
   }
 }
 

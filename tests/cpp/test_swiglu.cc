@@ -93,6 +93,8 @@ const std::vector<RG> kGradRules = {
     // clamp_limit: -1 or > 0 (D11): 561002
     {"ClampZero", [](SwigluGradCase& c) { c.clamp_limit = 0.0; }, kTiling, "clamp_limit|clampLimit"},
     {"ClampMinusHalf", [](SwigluGradCase& c) { c.clamp_limit = -0.5; }, kTiling, "clamp_limit|clampLimit"},
+    // The value as given, not at the stream's 6 digits ("-1", L154).
+    {"ClampNearMinus1", [](SwigluGradCase& c) { c.clamp_limit = -0.9999999; }, kTiling, "clamp_limit|clampLimit", {"got -0.9999999"}},
     {"ClampMinus2", [](SwigluGradCase& c) { c.clamp_limit = -2.0; }, kTiling, "clamp_limit|clampLimit"},
     {"ClampNaN", [](SwigluGradCase& c) { c.clamp_limit = std::nan(""); }, kTiling, "clamp_limit|clampLimit"},
     {"ClampMinusInf", [](SwigluGradCase& c) { c.clamp_limit = -INFINITY; }, kTiling, "clamp_limit|clampLimit"},

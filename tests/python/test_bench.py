@@ -9,8 +9,11 @@
 """
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ import moegrad
 from moegrad import bench
 from moegrad.bench import roof
 from moegrad import reference_torch as rt
+from moegrad.bench.report import progress
 
 import reference as ref
 from conftest import (assert_close_to_ref, rand_droppad_idx, rand_perm_idx, randn,
@@ -201,7 +205,20 @@ def test_bench_reports_a_mismatch(monkeypatch, capsys, tmp_path, seed):
     records = json.loads(out_json.read_text())["records"]
     assert rc == 1
     assert len(records) == 1 and records[0]["check"].startswith("MISMATCH y"), records
-    assert "MISMATCH" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "MISMATCH" in captured.out
+    # progress on stderr before the case (the table stays on stdout)
+    assert re.search(r"^\[1/1\] swiglu_group deepseek_v3 bf16 T=16 \(\d+s elapsed\)$",
+                     captured.err, re.M), captured.err
+
+
+def test_progress_line_estimates_the_time_left():
+    out = io.StringIO()
+    now = time.time()
+    assert progress(0, 5, "op a", now, out) == "[1/5] op a (0s elapsed)"
+    line = progress(2, 5, "op c", now - 130, out)   # 65 s per case so far, 3 cases to go
+    assert line == "[3/5] op c (2m10s elapsed, ~3m15s left)", line
+    assert out.getvalue().splitlines() == ["[1/5] op a (0s elapsed)", line]
 
 
 def test_bytes_table_matches_the_tensors(seed):

@@ -5,11 +5,14 @@ import math
 from moegrad import bench
 
 
-def test_layer_benchmark_smoke(tmp_path):
+def test_layer_benchmark_smoke(tmp_path, capsys):
     out = tmp_path / "layer.json"
     rc = bench.main(["--layer", "--quick", "--no-compile", "--dtypes", "fp32,bf16", "--reps", "1",
                      "--threads", "1", "--tokens", "64", "--json", str(out)])
     assert rc == 0
+    err = capsys.readouterr().err                     # progress before each configuration
+    assert "[1/2] layer fp32 H=128 F=64 E=16 K=4 T=64 (" in err, err
+    assert "[2/2] layer bf16 " in err and " left)" in err, err
     doc = json.loads(out.read_text())
     assert [r["dtype"] for r in doc["records"]] == ["float32", "bfloat16"]
     for r in doc["records"]:

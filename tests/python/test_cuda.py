@@ -353,6 +353,145 @@ def test_swiglu_misaligned_views(dtype, rng):
     assert bitwise_equal(moegrad.swiglu_group_quant_backward(misaligned(gy), misaligned(x))[0], gx)
 
 
+def test_swiglu_row_count_is_the_exact_sum(rng):
+    """group_index [2^62 + 10, -2^62]: the exact sum is 10 on both backends (L8)."""
+    T, H = 16, 64
+    x = randn((T, 2 * H), torch.bfloat16, rng)
+    gi = torch.tensor([2**62 + 10, -2**62], dtype=torch.int64)
+    y = host(moegrad.swiglu_group(cu(x), group_index=cu(gi)))
+    assert bitwise_equal(y[10:], torch.zeros_like(y[10:]))
+    assert not bool((y[:10] == 0).all())
+    assert_close_to_cpu(y, moegrad.swiglu_group(x, group_index=gi), torch.bfloat16, what="y")
+    gx, _ = moegrad.swiglu_group_quant_backward(cu(randn((T, H), torch.bfloat16, rng)), cu(x),
+                                                group_index=cu(gi))
+    assert bitwise_equal(host(gx)[10:], torch.zeros((T - 10, 2 * H), dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# quantised SwiGLU
+# ---------------------------------------------------------------------------------------------
+QUANT_CASES = [  # dst, quant_mode, round_scale, H (partial blocks, odd H: the scalar path)
+    (torch.float8_e4m3fn, 0, False, 256), (torch.float8_e4m3fn, 0, True, 300),
+    (torch.float8_e5m2, 0, False, 129), (torch.float8_e4m3fn, 1, True, 96),
+    (torch.float8_e5m2, 1, True, 2600), (torch.float8_e4m3fn, 0, False, 7168)]
+
+
+@pytest.mark.parametrize("dst,mode,rs,H", QUANT_CASES,
+                         ids=lambda v: str(v).replace("torch.float8_", ""))
+@pytest.mark.parametrize("group", [None, [3, 2]])
+@dtype_params
+def test_swiglu_quant_matches_float64_formula(dst, mode, rs, H, group, dtype, rng):
+    from test_swiglu_quant import check_values, swiglu64
+    T = 7
+    x = randn((T, 2 * H), dtype, rng, std=2.5)
+    w = (0.2 + torch.rand(T, dtype=torch.float32))
+    gi = None if group is None else torch.tensor(group, dtype=torch.int64)
+    y, s, o = moegrad.swiglu_group_quant(cu(x), cu(w), cu(gi), dst_type=dst, quant_mode=mode,
+                                         round_scale=rs, output_origin=True)
+    assert y.is_cuda and y.dtype == dst
+    check_values(x, host(y), host(s), dst, mode, rs, w, gi)
+    assert_close_to_ref(host(o), swiglu64(x, w, gi).numpy(), dtype, what="y_origin")
+    cy, cs, _ = moegrad.swiglu_group_quant(x, w, gi, dst_type=dst, quant_mode=mode,
+                                           round_scale=rs)
+    assert cs.shape == s.shape and cy.shape == y.shape
+    # Codes agree with the CPU's except where the fp32 values straddle a rounding boundary.
+    same = (host(y).view(torch.uint8) == cy.view(torch.uint8)).float().mean()
+    assert float(same) > 0.98, f"only {float(same):.3f} of the codes equal the CPU's"
+
+
+def test_swiglu_quant_misaligned_equals_aligned(rng):
+    T, H = 5, 256
+    x = cu(randn((T, 2 * H), torch.bfloat16, rng))
+    a = moegrad.swiglu_group_quant(x, output_origin=True)
+    b = moegrad.swiglu_group_quant(misaligned(x), output_origin=True)
+    for u, v in zip(a, b):
+        assert bitwise_equal(u, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# init routing and its grad, finalize bias grad: integer results and bit copies, so CUDA equals
+# the CPU bit for bit; the CPU is checked against the float64 reference in its own tests.
+# ---------------------------------------------------------------------------------------------
+INIT_ROUTING_KW = [
+    dict(expert_num=16),
+    dict(expert_num=16, expert_tokens_num_type=0),
+    dict(expert_num=16, expert_tokens_num_type=2),
+    dict(expert_num=16, active_num=50),
+    dict(expert_num=16, row_idx_type=1),
+    dict(expert_num=16, drop_pad_mode=1, expert_capacity=3),
+    dict(expert_num=16, drop_pad_mode=1, expert_capacity=40, expert_tokens_num_type=0),
+    dict(expert_num=16, active_expert_range=[4, 11]),
+    dict(expert_num=16, active_expert_range=[4, 11], expert_tokens_num_type=2),
+    dict(expert_num=16, active_expert_range=[4, 11], row_idx_type=1),
+    dict(),  # no expert_num: every id >= 0 is in, ordered by id
+    dict(row_idx_type=1),
+]
+
+
+@pytest.mark.parametrize("kw", INIT_ROUTING_KW, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "noE")
+@pytest.mark.parametrize("R,K,H", [(37, 4, 64), (0, 2, 8), (5, 1, 259), (129, 8, 2880)])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_init_routing_matches_cpu_and_reference(kw, R, K, H, idx_dtype, rng):
+    dtype = torch.bfloat16
+    x = randn((R, H), dtype, rng)
+    e = rand_expert_idx(R, K, 16, rng, dtype=idx_dtype, distinct=K <= 4)
+    got = moegrad.moe_init_routing(cu(x), cu(e), **kw)
+    want = moegrad.moe_init_routing(x, e, **kw)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.is_cuda or g.numel() == 0
+        assert g.shape == w.shape and g.dtype == w.dtype, f"output {i}"
+        assert bitwise_equal(g, w), f"output {i} differs from the CPU"
+    rex, ridx, rtok = ref.moe_init_routing(x, e, **kw)
+    assert np.array_equal(host(got[1]).numpy(), ridx)
+    assert np.array_equal(host(got[2]).numpy().reshape(rtok.shape), rtok)
+    assert np.array_equal(ref.as_f64(host(got[0])).reshape(rex.shape), rex)
+
+
+@pytest.mark.parametrize("mode,active", [(0, 0), (0, 50), (1, 0)])
+@dtype_params
+def test_init_routing_grad_matches_cpu_and_reference(mode, active, dtype, rng):
+    R, K, H, E = 41, 4, 96, 8
+    kw = dict(expert_num=E, drop_pad_mode=mode, active_num=active,
+              expert_capacity=12 if mode == 1 else 0)
+    x = randn((R, H), dtype, rng)
+    e = rand_expert_idx(R, K, E, rng)
+    ex, idx, _ = moegrad.moe_init_routing(x, e, **kw)
+    g = randn(tuple(ex.shape), dtype, rng)
+    got = moegrad.moe_init_routing_grad(cu(g), cu(idx), K, drop_pad_mode=mode, active_num=active)
+    want = moegrad.moe_init_routing_grad(g, idx, K, drop_pad_mode=mode, active_num=active)
+    assert bitwise_equal(got, want)
+    assert_close_to_ref(host(got), ref.moe_init_routing_grad(g, idx, K, mode, active), dtype,
+                        n_reduce=K)
+    got64 = moegrad.moe_init_routing_grad(cu(g), cu(idx.long()), K, drop_pad_mode=mode,
+                                          active_num=active)
+    assert bitwise_equal(got64, want)
+
+
+@pytest.mark.parametrize("with_scales", [False, True])
+@pytest.mark.parametrize("R,K,H,E", [(33, 4, 256, 8), (7, 2, 259, 5), (0, 2, 16, 3)])
+@dtype_params
+def test_finalize_bias_grad_matches_cpu(with_scales, R, K, H, E, dtype, rng):
+    gy = randn((R, H), dtype, rng)
+    e = rand_expert_idx(R, K, E, rng, distinct=False)
+    s = randn((R, K), dtype, rng) if with_scales else None
+    got = torch.ops.moegrad.moe_finalize_routing_bias_grad(cu(gy), cu(e), cu(s), E)
+    want = torch.ops.moegrad.moe_finalize_routing_bias_grad(gy, e, s, E)
+    assert got.is_cuda and bitwise_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# no host synchronisation in a training step of the layer
+# ---------------------------------------------------------------------------------------------
+def test_moe_layer_step_makes_no_host_sync_and_captures():
+    """A bf16 moegrad.nn.MoE forward + backward under set_sync_debug_mode("error"), then captured
+    in a CUDA graph and replayed: scripts/device_calls.py sync (the device check's step)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "device_calls.py"), "sync"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "sync check:" in r.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # determinism, graphs, compile, opcheck
 # ---------------------------------------------------------------------------------------------

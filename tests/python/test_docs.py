@@ -5,6 +5,9 @@
   docs/operators.md, and every decision tag (Dn, Ln, and ranges such as D1-D3) to an entry of
   docs/decisions.md; each entry is defined exactly once.
 * Relative links in README.md and docs/*.md point to files that exist.
+* The docs state the current truth: no development-history words (L60), and the tables of
+  docs/performance.md between its "generated" markers are what the benchmark renders from the
+  committed docs/perf.json.
 
 Other engineers add tags all the time; this test names the file and line of a tag that does not
 resolve, so a typo or a forgotten docs entry fails here instead of confusing a user.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -151,6 +155,42 @@ def test_relative_links_in_docs_exist():
     assert not bad, "broken relative links:\n" + "\n".join(bad)
 
 
+# Development-history words a user has no use for (built by concatenation, see FORBIDDEN).
+HISTORY = re.compile(r"(?i)\b(?:" + "|".join(["wa" + "ves?", "spr" + "ints?", "iss" + r"ue\s?#?\d+"])
+                     + r")\b")
+
+
+def test_docs_speak_of_no_development_history():
+    bad = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            if HISTORY.search(line):
+                bad.append(f"{doc.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not bad, "docs describe what the library does now, not its history:\n" + "\n".join(bad)
+
+
+GENERATED = re.compile(
+    r"<!-- generated: (python -m moegrad\.bench [^\n]*?) -->\n(.*?)<!-- end generated -->", re.S)
+
+
+def test_performance_tables_are_the_generated_ones(tmp_path):
+    """Regenerate with the command in the marker (`<file>` is any path) and paste the result."""
+    doc = ROOT / "docs" / "performance.md"
+    blocks = GENERATED.findall(doc.read_text(encoding="utf-8"))
+    assert blocks, "docs/performance.md lost its generated tables"
+    for command, body in blocks:
+        out = tmp_path / "tables.md"
+        argv = command.replace("<file>", str(out)).split()
+        assert argv[:3] == ["python", "-m", "moegrad.bench"], command
+        proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0 and "No module named" in proc.stderr:
+            pytest.skip("moegrad is not importable here: " + proc.stderr.strip().splitlines()[-1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert body.strip() == out.read_text(encoding="utf-8").strip(), (
+            f"docs/performance.md: the tables differ from `{command}`; regenerate and paste them")
+
+
 def test_the_tag_patterns_work():
     """The scanners above must be able to fail."""
     assert [m.group(0) for m in DECISION_TAG.finditer("D1-D3, L4, D25\u2013D31, D2H, 1D, L2 cache")] \
@@ -158,3 +198,5 @@ def test_the_tag_patterns_work():
     assert _expand("D", "1", "3") == ["D1", "D2", "D3"]
     assert SECTION_TAG.search(SECTION_SIGN + "5.5 step 0").groups() == ("5", "5")
     assert FORBIDDEN[0].search("see ../" + "shar" + "ed/x") and not FORBIDDEN[0].search("unshared")
+    assert HISTORY.search("the fifth " + "wave") and HISTORY.search("see " + "issue 12")
+    assert not HISTORY.search("a microwave") and not HISTORY.search("the issue rate")

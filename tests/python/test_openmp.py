@@ -31,3 +31,25 @@ def test_one_openmp_runtime_in_a_torch_process():
                          check=True).stdout.split()
     print("OpenMP runtimes mapped:", out)
     assert len(out) == 1, f"expected one OpenMP runtime in the process, found {out}"
+
+
+def test_set_num_threads_refuses_a_negative_count():
+    """n = 0 means the OpenMP default; a negative count is refused, and the setting is kept
+    (docs/decisions.md L173)."""
+    import moegrad
+
+    before = moegrad._C.get_num_threads()
+    moegrad.set_num_threads(3)
+    try:
+        for bad in (-3, -1):
+            with pytest.raises(moegrad.MoeError, match=rf"set_num_threads: n: .*; got {bad}$") \
+                    as info:
+                moegrad.set_num_threads(bad)
+            assert info.value.code == 161002
+            assert moegrad.get_num_threads() == 3
+        with pytest.raises(TypeError):
+            moegrad.set_num_threads(2.5)
+        moegrad.set_num_threads(0)                   # the OpenMP default
+        assert moegrad.get_num_threads() >= 1
+    finally:
+        moegrad.set_num_threads(before)

@@ -1,6 +1,9 @@
 """The README's PyTorch example runs as printed and shows what it claims (docs/decisions.md L61):
-the router gets a non-zero gradient, autograd agrees with a finite difference, and training the
-router alone lowers the loss. Also: the README starts with the two set-up-free commands."""
+it composes the operators through moe_permute / moe_unpermute (L170), the router gets a non-zero
+gradient, autograd agrees with a finite difference, and training the router alone lowers the
+loss. Also: the README starts with the two set-up-free commands, its "More" section links every
+page of docs/ with whom it is for, and docs/demo.md's speed figures name the machine and the
+command that measured them."""
 from __future__ import annotations
 
 import pathlib
@@ -24,6 +27,9 @@ def test_readme_starts_with_make_demo_and_make_test():
 def test_readme_example_router_learns(capsys):
     m = re.search(r"## Using it from PyTorch.*?```python\n(.*?)```", _text(), re.S)
     assert m, "README.md lost its '## Using it from PyTorch' python block"
+    # The example shows the safe composition (L170), not a permutation written by hand.
+    assert "moegrad.moe_permute(" in m.group(1) and "moegrad.moe_unpermute(" in m.group(1)
+    assert "argsort" not in m.group(1)
     ns: dict = {}
     exec(compile(m.group(1), str(README), "exec"), ns)
     out = capsys.readouterr().out
@@ -40,3 +46,31 @@ def test_readme_example_router_learns(capsys):
         dout = 2 * (ns["moe"](x, router) - target) / target.numel()
     # x.grad - dout is the experts' path, which the router's top-k weights make non-zero.
     assert float((x.grad - dout).norm()) > 0, out
+
+
+def _more_section():
+    m = re.search(r"^## More\n(.*?)(?=^## |\Z)", _text(), re.S | re.M)
+    assert m, "README.md lost its '## More' section"
+    return m.group(1)
+
+
+def test_readme_more_links_every_doc_with_its_audience():
+    """A reading order: every page of docs/ is linked from "More", with whom it is for."""
+    more = _more_section()
+    docs = sorted(p.name for p in (README.parent / "docs").glob("*.md"))
+    missing = [d for d in docs if f"](docs/{d})" not in more]
+    assert not missing, f"README.md '## More' does not link {missing}"
+    for d in docs:
+        line = re.search(rf"\]\(docs/{re.escape(d)}\) — (.*)", more).group(1)
+        assert line.startswith("for "), f"docs/{d}: say whom the page is for; got {line!r}"
+
+
+def test_demo_speed_claims_name_the_machine_and_the_command():
+    demo = (README.parent / "docs" / "demo.md").read_text(encoding="utf-8")
+    for m in re.finditer(r"tokens/s", demo):
+        section = demo[demo.rfind("\n## ", 0, m.start()):]
+        section = section[:section.find("\n## ", 1)]
+        if re.search(r"\d[\d,]* tokens/s", section):
+            assert re.search(r"AMD EPYC|Intel|vCPU", section), section[:400]
+            assert re.search(r"`[^`]*\.venv/bin/python -m moegrad\.demo[^`]*`", section), \
+                section[:400]

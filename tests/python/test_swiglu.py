@@ -345,3 +345,23 @@ def test_swiglu_forward_every_16bit_gate_value(dtype, rng):
     print(f"swiglu_group {dtype}: max error {worst:.4f} ulp of the output over every gate value")
     # The tolerance in output ulps: half an ulp plus 2 * ctol relative (|ref| < 2^bits ulps).
     assert worst <= 0.5 + 2 * TOLERANCES[torch.float32]["ctol"] / unit_roundoff(dtype)
+
+
+@pytest.mark.parametrize("group,rows", [([2**62 + 10, -2**62], 10),
+                                        ([2**63 - 1, 2**63 - 1, -2**63, -2**63 + 3], 1),
+                                        ([2**63 - 1] * 4, 12), ([-2**63] * 3 + [5], 0)])
+def test_swiglu_row_count_is_the_exact_sum(group, rows, rng):
+    """The processed rows are min(max(sum, 0), T) of the exact sum (L8, L202): no saturation of
+    the terms or the running sum (the formula shared with the CUDA kernel)."""
+    T, H = 12, 16
+    x = randn((T, 2 * H), torch.float32, rng)
+    gi = torch.tensor(group, dtype=torch.int64)
+    y = moegrad.swiglu_group(x, group_index=gi)
+    full = moegrad.swiglu_group(x)
+    assert torch.equal(y[:rows], full[:rows])
+    assert bool((y[rows:] == 0).all())
+    gy = randn((T, H), torch.float32, rng)
+    gx, _ = moegrad.swiglu_group_quant_backward(gy, x, group_index=gi)
+    assert bool((gx[rows:] == 0).all()) and bool((gx[:rows] != 0).any() or rows == 0)
+    q, s, _ = moegrad.swiglu_group_quant(x, group_index=gi)
+    assert bool((q.view(torch.uint8)[rows:] == 0).all()) and bool((s[rows:] == 0).all())

@@ -3,7 +3,7 @@ D4, D6, D9, D11, D13, D18, D19, D20; docs/decisions.md L3, L4, L6-L9).
 
 Each broken rule is its own case: the low-level ``moegrad._C.<op>`` is called with one rule
 broken and every output POISONED beforehand; the test asserts ``moegrad.MoeError`` with the exact
-status code, that the message names the offending argument (Python names of api.md), and that
+status code, that the message names the offending argument (the Python names of docs/operators.md §7.2), and that
 no tensor argument (output or input) changed by a single bit (D18: nothing written on failure).
 A subset goes through the public API to check that it raises the same code. Valid edge cases
 (zero rows, N = 1, clamp_limit = -1.0, the accepted index patterns, ...) must succeed and write
@@ -1042,3 +1042,62 @@ def test_clamp_limit_minus_one_exactly_is_off(gen):
     x64 = x.double()
     ref = torch.nn.functional.silu(x64[:, :8]) * x64[:, 8:]
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------- the value as the caller gave it (L153, L154) --
+
+def _message(fn, code, *args, **kwargs):
+    with pytest.raises(moegrad.MoeError) as ei:
+        fn(*args, **kwargs)
+    assert ei.value.code == code, str(ei.value)
+    return str(ei.value)
+
+
+@pytest.mark.parametrize("dst,kind", [(290, "HiFloat8"), (296, "float4_e2m1"),
+                                      (297, "float4_e1m2"), (34, "HiFloat8"), (7, "must be")])
+def test_dst_type_reported_as_given(gen, dst, kind):
+    """Vendor codes reach the native validator unchanged: 290 is reported as 290, not as the
+    aclDataType 34 it maps to, with the accepted codes in the same (Python) vocabulary."""
+    for fn in (moegrad.swiglu_group_quant, torch.ops.moegrad.swiglu_group_quant):
+        msg = _message(fn, 161002, randn(gen, 4, 256), dst_type=dst)
+        assert msg.startswith("swiglu_group_quant: dst_type: ") and kind in msg, msg
+        assert msg.endswith(f"; got {dst}"), msg
+        assert "292" in msg and "291" in msg, msg  # torch_npu codes of the two FP8 types
+
+
+def test_dst_type_not_an_integer_is_reported_not_truncated(gen):
+    msg = _message(moegrad.swiglu_group_quant, 161002, randn(gen, 4, 256), dst_type=290.5)
+    assert "dst_type" in msg and msg.endswith("got 290.5"), msg
+
+
+@pytest.mark.parametrize("limit,text", [(-0.9999999, "-0.9999999"), (1e-50, "1e-50"),
+                                        (-0.1234567891, "-0.1234567891")])
+def test_float_attribute_reported_as_given(gen, limit, text):
+    """Doubles print in their shortest exact form: -0.9999999 is not reported as -1."""
+    for fn, x in ((moegrad.swiglu_group, randn(gen, 4, 16)),
+                  (moegrad.swiglu_group_quant, randn(gen, 4, 256))):
+        msg = _message(fn, 561002, x, clamp_limit=limit)
+        assert "clamp_limit" in msg and msg.endswith("got " + text), msg
+
+
+def test_gating_attributes_reported_as_given(gen):
+    msg = _message(moegrad.moe_gating_top_k, 561002, randn(gen, 4, 8), 2,
+                   routed_scaling_factor=float("-inf"))
+    assert msg.endswith("routed_scaling_factor: must be finite; got -inf"), msg
+
+
+@pytest.mark.parametrize("rng,code,got", [([1, 5], 561103, "[1, 5]"),
+                                          ([0, 1, 2], 561103, "[0, 1, 2]"),
+                                          ([1.5, 3], 161002, "[1.5, 3]")])
+def test_active_expert_range_reported_as_given(gen, rng, code, got):
+    msg = _message(moegrad.moe_init_routing, code, randn(gen, 4, 8),
+                   torch.zeros(4, 2, dtype=I32), expert_num=4, active_expert_range=rng)
+    assert "active_expert_range" in msg and msg.endswith("got " + got), msg
+
+
+def test_int64_index_value_reported_unnarrowed(gen):
+    """An int64 expert id past the int32 range is reported with its own value."""
+    eidx = torch.zeros(4, 2, dtype=torch.int64)
+    eidx[2, 1] = 2 ** 40
+    msg = _message(moegrad.moe_init_routing, 561103, randn(gen, 4, 8), eidx, expert_num=4)
+    assert "expert_idx" in msg and contains_int(msg, 2 ** 40), msg

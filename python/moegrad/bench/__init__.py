@@ -69,7 +69,8 @@ from .ops import (BACKWARD_OPS, BYTES, DEFAULT_MEM_LIMIT_GB, DTYPES, FULL_TOKENS
                   remeasure_low_copy, roofline_misses, run_case, run_overhead, same_size_copies,
                   select_cases, target_checks, tensors_nbytes, time_interleaved)
 from .report import (compile_ceiling, load_records, make_plot, markdown_table,  # noqa: F401
-                     print_summary, report, summarize, targets_markdown, write_outputs)
+                     print_summary, progress, report, summarize, targets_markdown,
+                     write_outputs)
 
 
 def parse_args(argv=None):
@@ -192,7 +193,10 @@ def main(argv=None) -> int:
         cases_run: List[Tuple[Case, bool]] = []
         failures = 0
         rounds = 2 if args.tiny else 4
-        for case, comp in select_cases(args):
+        selected = select_cases(args)
+        for number, (case, comp) in enumerate(selected):
+            progress(number, len(selected), f"{case.op} {case.model} {case.dtype} "
+                     f"T={case.tokens}", t_start)
             n_sets = n_sets_for(case.bytes, llc, args.max_sets)
             est = estimate_memory(case, n_sets, with_eager=True)
             if est > args.mem_limit_gb * 1e9:

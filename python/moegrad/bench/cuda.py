@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -31,8 +32,7 @@ from moegrad import reference_torch as ref
 
 GPU_TOKENS = (4096, 16384, 65536)
 GPU_MODELS = ("deepseek_v3", "qwen3_moe", "gpt_oss")
-CUDA_OPS = ("moe_gating_top_k", "moe_gating_top_k_backward", "moe_finalize_routing",
-            "moe_finalize_routing_grad", "swiglu_group", "swiglu_group_quant_backward")
+CUDA_OPS = cpu_bench.OPS  # every operator has a CUDA kernel
 QUICK_PLAN = {"deepseek_v3": (16384, 65536), "qwen3_moe": (16384,), "gpt_oss": (16384,)}
 
 
@@ -109,7 +109,7 @@ def select(args) -> List:
     else:
         plan = {m: GPU_TOKENS for m in GPU_MODELS}
     dtypes = args.dtypes or (["bf16"] if (args.quick or args.tiny) else ["bf16", "fp32"])
-    ops = [op for op in args.ops if op in CUDA_OPS]  # the others have no CUDA kernel yet
+    ops = [op for op in args.ops if op in CUDA_OPS]
     return [cpu_bench.build_case(op, m, dt, t) for op in ops for m, ts in plan.items()
             for t in ts for dt in dtypes]
 
@@ -139,6 +139,13 @@ def main(args) -> int:
           "preallocated outputs; GB/s and roof from kernel; speedups = eager or compile / kernel.")
     print(cpu_bench.HEADER)
     records, failures = [], 0
+
+    def save():  # after every case: a run stopped early keeps the finished cases
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(dict(meta=meta, records=records), f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+
     for case in select(args):
         try:
             # --quick compiles one shape per op (compilation dominates its run time)
@@ -159,12 +166,11 @@ def main(args) -> int:
         failures += rec["check"] != "ok"
         print(cpu_bench.format_row(rec))
         sys.stdout.flush()
+        save()
     meta["summary"] = report.summarize(records)
     meta["wall_s"] = time.time() - t0
     if records:
         report.print_summary(meta["summary"])
     print(f"{len(records)} cases, {failures} failures, {meta['wall_s']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, records=records), f, indent=1)
+    save()
     return 1 if failures else 0

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import moegrad
 from moegrad.nn import MoE, grouped_mm
 
+from .report import progress
+
 
 # ------------------------------------------------------------------------- plain PyTorch --
 class TorchMoELayer(torch.nn.Module):
@@ -252,7 +254,10 @@ def main(argv: List[str]) -> int:
     moegrad.set_num_threads(a.threads)
     try:
         records = []
-        for name in a.dtypes.split(","):
+        names, t_start = a.dtypes.split(","), time.time()
+        for number, name in enumerate(names):
+            progress(number, len(names), f"layer {name} H={a.hidden} F={a.ffn} E={a.experts} "
+                     f"K={a.top_k} T={a.tokens}", t_start)
             r = run_config(a.hidden, a.ffn, a.experts, a.top_k, a.tokens, dts[name], a.device,
                            a.reps, compile_baseline=not a.no_compile)
             records.append(r)

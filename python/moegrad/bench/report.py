@@ -5,12 +5,30 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ops import (DTYPES, HEADER, IN_CACHE_LLC_FRACTION, MODELS, OPS, ROOF_EXEMPT,
                   TARGET_COMPILE_BWD, TARGET_COMPILE_FWD, TARGET_COPY, TARGET_EAGER_BWD,
                   TARGET_ROOF, TARGET_TOKENS, _fmt_frac, _fmt_ms, _fmt_x, format_row,
                   target_checks)
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def progress(done: int, total: int, what: str, t_start: float, stream=None) -> str:
+    """Before each case of a run: one line on stderr (the table stays on stdout) with the case's
+    number, what it measures, the time spent and, from the mean time per case so far, roughly
+    how long the rest takes. Returns the line."""
+    elapsed = time.time() - t_start
+    left = f", ~{_fmt_duration(elapsed / done * (total - done))} left" if done else ""
+    line = f"[{done + 1}/{total}] {what} ({_fmt_duration(elapsed)} elapsed{left})"
+    print(line, file=stream if stream is not None else sys.stderr, flush=True)
+    return line
 
 
 def summarize(records: List[dict]) -> List[dict]:

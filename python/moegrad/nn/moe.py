@@ -10,6 +10,7 @@ makes are docs/decisions.md L37-L39.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import List, Optional
 
 import torch
@@ -125,6 +126,37 @@ def _grouped_mm_bwd(ctx, grad):
 _grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
 
 
+# Double backward (L152): the backward is bilinear (grad_x_e = g_e w_e^T, grad_w_e = x_e^T g_e),
+# so its gradients are again grouped products, through the two ops above (higher orders follow).
+def _grouped_mm_backward_setup(ctx, inputs, output):
+    grad, x, w, counts, need_x, need_w = inputs
+    ctx.need = (need_x, need_w)
+    ctx.save_for_backward(grad, x, w, counts)
+
+
+def _grouped_mm_backward_bwd(ctx, grads):
+    v_gx, v_gw = grads  # the op returns a list: its gradients come as one
+    grad, x, w, counts = ctx.saved_tensors
+    need_x, need_w = ctx.need
+    v_gx = v_gx if need_x else None
+    v_gw = v_gw if need_w else None
+    want = ctx.needs_input_grad
+    d_grad = d_x = d_w = None
+    if want[0]:
+        parts = [_grouped_mm_op(v.contiguous(), m, counts)
+                 for v, m in ((v_gx, w), (x, v_gw)) if v is not None and m is not None]
+        d_grad = sum(parts[1:], parts[0]) if parts else None
+    if want[1] and v_gw is not None:
+        d_x = _grouped_mm_op(grad, v_gw.transpose(1, 2).contiguous(), counts)
+    if want[2] and v_gx is not None:
+        d_w = _grouped_mm_backward_op(grad, v_gx.contiguous(), w, counts, False, True)[1]
+    return d_grad, d_x, d_w, None, None, None
+
+
+_grouped_mm_backward_op.register_autograd(_grouped_mm_backward_bwd,
+                                          setup_context=_grouped_mm_backward_setup)
+
+
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor,
                host_counts: Optional[Tensor] = None) -> Tensor:
     """rows [sum(counts), A] grouped by expert (counts [E] int64) times w [E, A, B] -> [rows, B].
@@ -182,11 +214,73 @@ def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group) ->
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+# ------------------------------------------------------------------------ argument checks --
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fail(exc, name, rule, value):
+    raise exc(f"MoE: {name}: {rule}; got {value!r}")
+
+
+def _check_arguments(*, hidden, ffn_hidden, num_experts, top_k, score, n_group, topk_group,
+                     routed_scaling_factor, clamp_limit, capacity_factor, shared_experts,
+                     bias_update_speed, aux_loss_coef, dtype):
+    """The layer's arguments, checked when it is built, in its own names (L172): TypeError for
+    a wrong type, ValueError for a wrong value. The operators would refuse most of these only
+    at the first forward, in their names (k, k_group, group_count)."""
+    for name, v, lo in (("hidden", hidden, 1), ("ffn_hidden", ffn_hidden, 1),
+                        ("num_experts", num_experts, 1), ("top_k", top_k, 1),
+                        ("n_group", n_group, 1), ("topk_group", topk_group, 1),
+                        ("shared_experts", shared_experts, 0)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            _fail(TypeError, name, "must be an int", v)
+        if v < lo:
+            _fail(ValueError, name, f"must be >= {lo}", v)
+    for name, v in (("routed_scaling_factor", routed_scaling_factor),
+                    ("clamp_limit", clamp_limit), ("bias_update_speed", bias_update_speed),
+                    ("aux_loss_coef", aux_loss_coef)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            _fail(TypeError, name, "must be a number", v)
+        if not math.isfinite(v):
+            _fail(ValueError, name, "must be finite", v)
+    if score not in ("sigmoid", "softmax"):
+        _fail(ValueError, "score", "must be 'sigmoid' or 'softmax'", score)
+    if top_k > num_experts:
+        _fail(ValueError, "top_k", f"must be <= num_experts ({num_experts})", top_k)
+    if num_experts % n_group:
+        _fail(ValueError, "n_group", f"must divide num_experts ({num_experts})", n_group)
+    if topk_group > n_group:
+        _fail(ValueError, "topk_group", f"must be <= n_group ({n_group})", topk_group)
+    per_group = num_experts // n_group
+    if top_k > topk_group * per_group:
+        _fail(ValueError, "top_k", f"must be <= topk_group * num_experts / n_group "
+              f"({topk_group} * {per_group}: the experts of the groups a token may use)", top_k)
+    if score == "sigmoid" and per_group < 2:
+        _fail(ValueError, "n_group", f"must leave >= 2 experts per group with score='sigmoid' "
+              f"(a group ranks by its two best scores; num_experts = {num_experts})", n_group)
+    if clamp_limit != -1 and not clamp_limit > 0:
+        _fail(ValueError, "clamp_limit", "must be -1 (off) or > 0", clamp_limit)
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
+            _fail(TypeError, "capacity_factor", "must be None (dropless) or a number",
+                  capacity_factor)
+        if not (math.isfinite(capacity_factor) and capacity_factor > 0):
+            _fail(ValueError, "capacity_factor", "must be None (dropless) or finite and > 0",
+                  capacity_factor)
+    if bias_update_speed < 0:
+        _fail(ValueError, "bias_update_speed", "must be >= 0", bias_update_speed)
+    if aux_loss_coef < 0:
+        _fail(ValueError, "aux_loss_coef", "must be >= 0", aux_loss_coef)
+    if dtype is not None and dtype not in _DTYPES:
+        _fail(TypeError, "dtype", "must be None, torch.float32, torch.float16 or torch.bfloat16",
+              dtype)
+
+
 # -------------------------------------------------------------------------------- the layer --
 class MoE(nn.Module):
     """A routed-expert SwiGLU feed-forward layer.
 
-    Arguments (api.md): hidden H, ffn_hidden F (per expert), num_experts E, top_k K; score
+    Arguments (docs/layer.md): hidden H, ffn_hidden F (per expert), num_experts E, top_k K; score
     "sigmoid" (DeepSeek-V3: sigmoid scores, selection bias, weights renormalised over the K) or
     "softmax" (Qwen3/Mixtral/GPT-OSS: softmax, top-k weights renormalised); n_group /
     topk_group: expert groups and how many each token may use; routed_scaling_factor;
@@ -198,6 +292,11 @@ class MoE(nn.Module):
     (Switch-style loss E * sum_e f_e * P_e, exposed as .aux_loss after each forward).
 
     forward(x [T, H] or [B, S, H]) -> same shape and dtype.
+
+    Errors (docs/layer.md "Arguments and errors", docs/decisions.md L172): the constructor
+    checks every argument, a wrong type raises TypeError and a wrong value ValueError, with the
+    message "MoE: <argument>: <rule>; got <value>"; forward raises ValueError for an x of the
+    wrong shape and TypeError for an x whose dtype is not the layer's.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, *,
@@ -207,11 +306,12 @@ class MoE(nn.Module):
                  shared_experts: int = 0, bias_update_speed: float = 0.0,
                  aux_loss_coef: float = 0.0, device=None, dtype=None):
         super().__init__()
-        if score not in ("sigmoid", "softmax"):
-            raise ValueError(f"MoE: score must be 'sigmoid' or 'softmax'; got {score!r}")
-        if num_experts % n_group:
-            raise ValueError(f"MoE: num_experts ({num_experts}) must be a multiple of n_group "
-                             f"({n_group})")
+        _check_arguments(hidden=hidden, ffn_hidden=ffn_hidden, num_experts=num_experts,
+                         top_k=top_k, score=score, n_group=n_group, topk_group=topk_group,
+                         routed_scaling_factor=routed_scaling_factor, clamp_limit=clamp_limit,
+                         capacity_factor=capacity_factor, shared_experts=shared_experts,
+                         bias_update_speed=bias_update_speed, aux_loss_coef=aux_loss_coef,
+                         dtype=dtype)
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.num_experts, self.top_k = num_experts, top_k
         self.score, self.n_group, self.topk_group = score, n_group, topk_group
@@ -227,8 +327,9 @@ class MoE(nn.Module):
             self.ep_size = dist.get_world_size(ep_group)
             self.ep_rank = dist.get_rank(ep_group)
             if num_experts % self.ep_size:
-                raise ValueError(f"MoE: num_experts ({num_experts}) must be a multiple of the "
-                                 f"expert-parallel size ({self.ep_size})")
+                raise ValueError(f"MoE: ep_group: its size must divide num_experts "
+                                 f"({num_experts}), each rank holding num_experts / size "
+                                 f"experts; got size {self.ep_size}")
             if capacity_factor is not None:
                 raise NotImplementedError("MoE: capacity_factor with ep_group is not supported "
                                           "(docs/decisions.md L39)")
@@ -318,8 +419,11 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         if x.dim() not in (2, 3) or shape[-1] != self.hidden:
-            raise ValueError(f"MoE: input must be [T, {self.hidden}] or [B, S, {self.hidden}]; "
-                             f"got {list(shape)}")
+            raise ValueError(f"MoE: x: must be [T, {self.hidden}] or [B, S, {self.hidden}] "
+                             f"(hidden = {self.hidden}); got shape {list(shape)}")
+        if x.dtype != self.gate.dtype:
+            raise TypeError(f"MoE: x: dtype must be the layer's, {self.gate.dtype} (convert "
+                            f"the input, or the layer with .to(dtype)); got {x.dtype}")
         x = x.reshape(-1, self.hidden)
         T, E, K = x.shape[0], self.num_experts, self.top_k
         weights, idx, scores = self.route(x)

@@ -2,7 +2,10 @@
 
 ``_op("moegrad::<name>")`` turns a Python body into a torch.library operator (schema inferred
 from the body's signature, fake kernel and autograd attached with register_fake /
-register_autograd); the returned object is the public function.
+register_autograd); the returned object is the public function. Every operator gets an
+Autograd kernel when it is defined: a gradient reaching an operator without a formula raises
+MoeError (ERR_NO_KERNEL) instead of coming back None (docs/decisions.md L150); a backward
+operator states with ``_op(..., no_double_backward=<why>)`` that it has no formula.
 
 Each op call makes two native calls, the two stages of the C API: ``_C.plan_<op>`` validates
 (once), infers the outputs, picks the backend from the tensors' device and sizes the workspace;
@@ -18,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from .._errors import ERR_PARAM_INVALID, MoeError
+from .._errors import ERR_NO_KERNEL, ERR_PARAM_INVALID, MoeError
 
 # DType codes of the native plans (aclDataType values) -> torch dtypes.
 _DTYPES = {0: torch.float32, 1: torch.float16, 3: torch.int32, 9: torch.int64,
@@ -82,16 +85,28 @@ OPS: Dict[str, "_Op"] = {}
 
 class _Op:
     """One operator: defined from its Python body's signature, implemented by the body for every
-    device, with register_fake / register_autograd like a custom_op's."""
+    device, with register_fake / register_autograd like a custom_op's.
 
-    def __init__(self, name: str, fn):
+    The Autograd kernel is installed here, once, and calls whatever formula register_autograd
+    sets later. Until then (and for good with ``no_double_backward``) a gradient reaching the
+    operator raises MoeError ERR_NO_KERNEL naming it (L150). The kernel only runs when the
+    dispatcher is used: the direct call (L104) never reaches it, and without a tensor that
+    requires grad (grad mode on) it only redispatches."""
+
+    def __init__(self, name: str, fn, no_double_backward: Optional[str] = None):
         self._name, self._init_fn = name, fn
         self._schema = torch.library.infer_schema(fn, mutates_args=())
         self._abstract_fn = self._backward_fn = self._setup_context_fn = None
+        # "formula" (register_autograd), "refused" (no_double_backward) or None (undeclared).
+        self._grad_kind, self._no_grad_reason = None, no_double_backward
         _LIB.define(name + self._schema)
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         self._qualname = f"moegrad::{name}"
         self._packet = getattr(torch.ops.moegrad, name)
+        torch.library.register_autograd(self._qualname, self._autograd_backward,
+                                        setup_context=self._autograd_setup, lib=_LIB)
+        if no_double_backward is not None:
+            self._grad_kind = "refused"
         # The object is the public function: help(), __doc__ and inspect.signature show the
         # body's name, docstring and signature.
         self.__doc__ = fn.__doc__
@@ -123,9 +138,26 @@ class _Op:
         return fn
 
     def register_autograd(self, backward, *, setup_context=None):
-        torch.library.register_autograd(self._qualname, backward, setup_context=setup_context,
-                                        lib=_LIB)
+        """The op's gradient formula (torch.library.register_autograd's arguments)."""
+        if self._grad_kind == "refused":
+            raise RuntimeError(f"{self._qualname}: declared no_double_backward; drop that to "
+                               "register a formula")
         self._backward_fn, self._setup_context_fn = backward, setup_context
+        self._grad_kind = "formula"
+
+    # The Autograd kernel's two callbacks (registered once, in __init__).
+    def _autograd_setup(self, ctx, inputs, output):
+        if self._setup_context_fn is not None:
+            self._setup_context_fn(ctx, inputs, output)
+
+    def _autograd_backward(self, ctx, *grads):
+        if self._backward_fn is not None:
+            return self._backward_fn(ctx, *grads)
+        if self._grad_kind == "refused":
+            raise MoeError(f"{self._name}: double backward is not supported; "
+                           f"{self._no_grad_reason}", ERR_NO_KERNEL)
+        raise MoeError(f"{self._name}: backward is not supported; no gradient formula is "
+                       "registered for this operator", ERR_NO_KERNEL)
 
 
 _PLAIN = (int, float, bool, str, type(None), list, tuple)
@@ -158,11 +190,17 @@ def _direct_ok(args, kwargs) -> bool:
     return True
 
 
-def _op(qualname: str):
-    """Decorator: registers the function as the operator `qualname` ("moegrad::<name>")."""
+def _op(qualname: str, *, no_double_backward: Optional[str] = None):
+    """Decorator: registers the function as the operator `qualname` ("moegrad::<name>").
+
+    A backward operator without a gradient formula of its own passes no_double_backward, the
+    reason shown to the user: a second-order gradient reaching it then raises MoeError
+    ERR_NO_KERNEL "<name>: double backward is not supported; <reason>" (L150). Every other
+    operator calls register_autograd; tests/python/test_double_backward.py checks that each
+    registered operator did one or the other."""
     ns, name = qualname.split("::")
     assert ns == "moegrad", qualname
-    return lambda fn: _Op(name, fn)
+    return lambda fn: _Op(name, fn, no_double_backward)
 
 
 def _needs(ctx, n: int) -> Tuple[bool, ...]:

@@ -11,7 +11,22 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from .._errors import ERR_FINALIZE_ROUTING, MoeError
+from .init_routing import ROW_LAYOUT_TAG
 from ._registry import _args, _contig, _dl, _dlo, _execute, _needs, _op, _same_device
+
+
+def _refuse_row_layout(idx, x1, scales, expert_idx, drop_pad_mode, k):
+    """Modes 0/1 read slot k*R + r; moe_init_routing's index holds slot r*K + k. The two agree
+    only when R == 1 or K == 1."""
+    first = next((t for t in (scales, expert_idx, x1) if t is not None), None)
+    rows = first.shape[0] if first is not None and first.dim() > 0 else idx.numel() // max(k, 1)
+    choices = idx.numel() // rows if rows > 0 else 0
+    if rows > 1 and choices > 1:
+        raise MoeError(
+            "moe_finalize_routing: drop_pad_mode: must be 2 (dropless) or 3 (drop/pad) for the "
+            "expanded_row_idx of moe_init_routing, which is in row layout (slot r*K + k; modes "
+            f"0 and 1 read slot k*R + r); got {drop_pad_mode}", ERR_FINALIZE_ROUTING)
 
 
 @_op("moegrad::moe_finalize_routing")
@@ -29,8 +44,13 @@ def moe_finalize_routing(expanded_x: Tensor, expanded_row_idx: Tensor,
     R = scales/expert_idx/x1 rows, else len(expanded_row_idx) // k. Returns (R, H) in
     expanded_x's dtype. Differentiable in every mode w.r.t. expanded_x, scales, x1, x2 (their
     gradient is grad_y) and bias (per-expert sum of scale * grad_y, dropped slots included; D23).
-    Errors: MoeError 161001/161002, 561103 (shapes, index values).
+    An expanded_row_idx straight from moe_init_routing (row layout) is refused in modes 0/1
+    when R > 1 and K > 1, where the column reading would combine the wrong rows (eager calls;
+    docs/decisions.md L171; moegrad.moe_unpermute picks the mode itself).
+    Errors: MoeError 161001/161002, 561103 (shapes, index values, that layout mismatch).
     """
+    if drop_pad_mode in (0, 1) and getattr(expanded_row_idx, ROW_LAYOUT_TAG, False):
+        _refuse_row_layout(expanded_row_idx, x1, scales, expert_idx, drop_pad_mode, k)
     expanded_x, idx = expanded_x.contiguous(), expanded_row_idx.contiguous()
     eidx = _contig(expert_idx)
     x1, x2, bias, scales = _contig(x1), _contig(x2), _contig(bias), _contig(scales)
@@ -130,12 +150,6 @@ def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
                                    scales: Optional[Tensor], expert_num: int) -> Tensor:
     """Gradient of finalize routing's bias (D23, L22): per expert, the sum of scale * grad_y
     over the slots using it, dropped slots included. Internal op of the autograd."""
-    if grad_y.is_cuda:
-        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
-        # not capturable in a CUDA graph; docs/cuda.md) ----
-        to_cpu = (lambda t: None if t is None else t.cpu())  # noqa: E731
-        return moe_finalize_routing_bias_grad(grad_y.cpu(), to_cpu(expert_idx), to_cpu(scales),
-                                              expert_num).to(grad_y.device)
     grad_y, eidx, scales = grad_y.contiguous(), expert_idx.contiguous(), _contig(scales)
     planned = _C.plan_moe_finalize_routing_bias_grad(_dl(grad_y), _dl(eidx), _dlo(scales),
                                                      expert_num)
@@ -193,3 +207,87 @@ def _finalize_backward(ctx, grad_out):
 
 
 moe_finalize_routing.register_autograd(_finalize_backward, setup_context=_finalize_setup)
+
+
+# ---- double backward (L152). moe_finalize_routing_grad and moe_finalize_routing_bias_grad are
+# bilinear: grad_expanded_x[d] = s * grad_y[r], grad_scales[r,k] = (expanded_x[d] + bias[e]) .
+# grad_y[r] (bias only for a skipped slot), grad_bias[e] = sum s * grad_y[r]. Their gradients
+# are the same gathers and scatters, written here with differentiable torch ops in fp32 (so
+# higher orders follow) and rounded once to each input's dtype.
+def _slots(idx: Tensor, rows: int, k: int):
+    """Per flat slot i = r*K + k: its token r, its row d (clamped) and whether it is valid."""
+    d = idx.long()
+    valid = (d >= 0) & (d < rows)
+    r = torch.div(torch.arange(d.numel(), device=d.device), k, rounding_mode="floor")
+    return r, torch.where(valid, d, torch.zeros_like(d)), valid
+
+
+def _finalize_grad_setup(ctx, inputs, output):
+    gy, idx, ex, scales, eidx, bias, *_ = _args(inputs, (None,) * 6 + (0, 0, 0, 0))
+    with_scales = scales is not None
+    ctx.gex_shape = output[0].shape
+    ctx.with_scales, ctx.with_bias = with_scales, with_scales and bias is not None
+    ctx.save_for_backward(gy, idx, ex if with_scales else None, scales,
+                          eidx if ctx.with_bias else None, bias if ctx.with_bias else None)
+
+
+def _finalize_grad_backward(ctx, v_ex, v_s):
+    gy, idx, ex, scales, eidx, bias = ctx.saved_tensors
+    needs = _needs(ctx, 10)
+    grads = [None] * 10
+    n, h = gy.shape
+    rows = ctx.gex_shape.numel() // h if h else 0
+    k = scales.shape[1] if ctx.with_scales else 1
+    r, d, valid = _slots(idx, rows, k)
+    g = gy.float().index_select(0, r)                                     # [R*K, H]
+    s = scales.float().reshape(-1) if ctx.with_scales else torch.ones_like(r, dtype=g.dtype)
+    vs = v_s.float().reshape(-1) if (ctx.with_scales and v_s is not None) else None
+    vex = v_ex.float().reshape(rows, h).index_select(0, d) if v_ex is not None else None
+    gg = None
+    if needs[0]:
+        if vex is not None:
+            gg = vex * torch.where(valid, s, torch.zeros_like(s)).unsqueeze(1)
+        if vs is not None:
+            xb = ex.float().reshape(rows, h).index_select(0, d) * valid.unsqueeze(1)
+            if ctx.with_bias:
+                xb = xb + bias.float().index_select(0, eidx.reshape(-1).long())
+            gg = xb * vs.unsqueeze(1) if gg is None else gg + xb * vs.unsqueeze(1)
+        if gg is not None:
+            grads[0] = gg.reshape(n, k, h).sum(1).to(gy.dtype)
+    if ctx.with_scales and needs[3] and vex is not None:
+        grads[3] = ((vex * g).sum(1) * valid).reshape(scales.shape).to(scales.dtype)
+    if vs is not None and needs[2]:
+        grads[2] = g.new_zeros((rows, h)).index_add(
+            0, d[valid], (g * vs.unsqueeze(1))[valid]).reshape(ex.shape).to(ex.dtype)
+    if vs is not None and ctx.with_bias and needs[5]:
+        grads[5] = g.new_zeros(bias.shape).index_add(
+            0, eidx.reshape(-1).long(), g * vs.unsqueeze(1)).to(bias.dtype)
+    return tuple(grads)
+
+
+moe_finalize_routing_grad.register_autograd(_finalize_grad_backward,
+                                            setup_context=_finalize_grad_setup)
+
+
+def _bias_grad_setup(ctx, inputs, output):
+    gy, eidx, scales, _e = inputs
+    ctx.save_for_backward(gy, eidx, scales)
+
+
+def _bias_grad_backward(ctx, v):
+    gy, eidx, scales = ctx.saved_tensors
+    needs = _needs(ctx, 4)
+    n, h = gy.shape
+    k = eidx.numel() // n if n else 1
+    vg = v.float().index_select(0, eidx.reshape(-1).long()).reshape(n, k, h)  # v[e] per slot
+    grad_gy = grad_s = None
+    if needs[0]:
+        w = vg if scales is None else vg * scales.float().reshape(n, k, 1)
+        grad_gy = w.sum(1).to(gy.dtype)
+    if scales is not None and needs[2]:
+        grad_s = (vg * gy.float().unsqueeze(1)).sum(2).reshape(scales.shape).to(scales.dtype)
+    return grad_gy, None, grad_s, None
+
+
+moe_finalize_routing_bias_grad.register_autograd(_bias_grad_backward,
+                                                 setup_context=_bias_grad_setup)

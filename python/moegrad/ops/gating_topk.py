@@ -50,7 +50,9 @@ def _(x, k, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, 
             x.new_empty((m, n), dtype=torch.float32))
 
 
-@_op("moegrad::moe_gating_top_k_backward")
+@_op("moegrad::moe_gating_top_k_backward", no_double_backward=(
+    "its gradient w.r.t. the normalised scores x_norm is not implemented; for second-order "
+    "gradients of the router differentiate a PyTorch formula of moe_gating_top_k"))
 def moe_gating_top_k_backward(x_norm: Tensor, grad_y: Tensor, expert_idx: Tensor,
                               renorm: int = 0, norm_type: int = 1,
                               routed_scaling_factor: float = 1.0, eps: float = 1e-20) -> Tensor:

@@ -6,14 +6,19 @@ side is src/ops/init_routing/.
 """
 from __future__ import annotations
 
+import operator
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import _C
-from .._errors import ERR_FINALIZE_ROUTING, MoeError
+from .._errors import ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError
 from ._registry import _args, _dl, _execute, _op, _same_device
+
+
+# Attribute set on the src->dst index moe_init_routing returns (row layout, slot r*K + k).
+ROW_LAYOUT_TAG = "_moegrad_row_layout"
 
 
 def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag):
@@ -21,7 +26,7 @@ def _init_routing_attrs(expert_num, active_expert_range, expert_tokens_num_flag)
     if active_expert_range is not None and len(active_expert_range) > 0:
         if len(active_expert_range) != 2:
             raise MoeError("moe_init_routing: active_expert_range: must hold 2 values [start, "
-                           f"end); got {list(active_expert_range)}", ERR_FINALIZE_ROUTING)
+                           f"end]; got {list(active_expert_range)}", ERR_FINALIZE_ROUTING)
         start, end = int(active_expert_range[0]), int(active_expert_range[1])
         return True, start, end, bool(expert_tokens_num_flag)
     flag = bool(expert_tokens_num_flag) and expert_num > 0
@@ -37,13 +42,6 @@ def _moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
     """The registered schema of moe_init_routing (torch.ops.moegrad.moe_init_routing): every
     argument positional, active_expert_range a list. Public function: moe_init_routing.
     """
-    if x.is_cuda:
-        # ---- CUDA backend: no CUDA kernel for this op yet; computed on the CPU (synchronises,
-        # not capturable in a CUDA graph; docs/cuda.md) ----
-        outs = _moe_init_routing(x.cpu(), expert_idx.cpu(), active_num, expert_capacity,
-                                 expert_num, drop_pad_mode, expert_tokens_num_type,
-                                 expert_tokens_num_flag, active_expert_range, row_idx_type)
-        return tuple(t.to(x.device) for t in outs)
     x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)
@@ -85,10 +83,6 @@ def moe_init_routing_grad(grad_expanded_x: Tensor, expanded_row_idx: Tensor, top
     grad_x [R, H]: per token the fp32 sum, in k order, of its rows; -1 and rows >= rows are
     skipped. Errors: MoeError 161001/161002, 561103.
     """
-    if grad_expanded_x.is_cuda:
-        # ---- CUDA backend: no CUDA kernel yet; computed on the CPU (docs/cuda.md) ----
-        return moe_init_routing_grad(grad_expanded_x.cpu(), expanded_row_idx.cpu(), top_k,
-                                     drop_pad_mode, active_num).to(grad_expanded_x.device)
     g, idx = grad_expanded_x.contiguous(), expanded_row_idx.contiguous()
     (gx,) = _execute(
         _C.plan_moe_init_routing_grad(_dl(g), _dl(idx), top_k, drop_pad_mode, active_num), g)
@@ -150,10 +144,51 @@ def moe_init_routing(x: Tensor, expert_idx: Tensor, *, active_num: int = 0,
     2 key-value ([expert_num, 2] rows (id, count), then zeros); [0] when the flag is off or
     expert_num is 0 without a window. Drop/pad counts are before capacity.
     Differentiable w.r.t. x (via moe_init_routing_grad). Feed expanded_row_idx to
-    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad).
+    moe_finalize_routing with drop_pad_mode 2 (modes 0) or 3 (drop/pad); modes 0/1 refuse it
+    when R > 1 and K > 1 (docs/decisions.md L171). moegrad.moe_permute / moe_unpermute pair
+    the two for you (docs/layer.md "Permute and unpermute").
     Errors: MoeError 161001/161002, 561103 (shapes, attributes, expert ids).
     """
-    rng = None if active_expert_range is None else [int(v) for v in active_expert_range]
-    return _moe_init_routing(x, expert_idx, active_num, expert_capacity, expert_num,
-                             drop_pad_mode, expert_tokens_num_type, expert_tokens_num_flag, rng,
-                             row_idx_type)
+    rng = None
+    if active_expert_range is not None:
+        try:  # integers as given: int() would turn 1.5 into 1 before any message (L154)
+            rng = [operator.index(v) for v in active_expert_range]
+        except TypeError:
+            raise MoeError("moe_init_routing: active_expert_range: must hold integers; got "
+                           f"{active_expert_range!r}", ERR_PARAM_INVALID) from None
+    out = _moe_init_routing(x, expert_idx, active_num, expert_capacity, expert_num,
+                            drop_pad_mode, expert_tokens_num_type, expert_tokens_num_flag, rng,
+                            row_idx_type)
+    if row_idx_type == 0 and not torch.compiler.is_compiling():
+        # Marks the index as row layout so that moe_finalize_routing can refuse it in the
+        # column-layout modes 0/1 (docs/decisions.md L171); eager only, lost on copies.
+        setattr(out[1], ROW_LAYOUT_TAG, True)
+    return out
+
+
+# ---- double backward (L152): moe_init_routing_grad is linear in grad_expanded_x, a gather-sum
+# of its rows per token; its gradient scatters each token's upstream row back to the rows the
+# token's slots address (the forward's expanded_x with x = the upstream gradient). Exact (copies)
+# and made of differentiable torch ops, so higher orders follow.
+def _init_routing_grad_setup(ctx, inputs, output):
+    g, idx, top_k, _mode, _active = _args(inputs, (None, None, None, 0, 0))
+    ctx.g_shape, ctx.top_k = g.shape, top_k
+    ctx.save_for_backward(idx)
+
+
+def _init_routing_grad_backward(ctx, grad_gx):
+    if grad_gx is None or not ctx.needs_input_grad[0]:
+        return (None,) * 5
+    (idx,) = ctx.saved_tensors
+    h = ctx.g_shape[-1]
+    rows = ctx.g_shape.numel() // h if h else 0  # mode 1: [E, C, H] viewed as [E*C, H]
+    idx = idx.long()
+    valid = (idx >= 0) & (idx < rows)
+    slots = valid.nonzero().squeeze(1)
+    src = grad_gx.index_select(0, torch.div(slots, ctx.top_k, rounding_mode="floor"))
+    gg = grad_gx.new_zeros((rows, h)).index_add(0, idx[slots], src)
+    return (gg.reshape(ctx.g_shape),) + (None,) * 4
+
+
+moe_init_routing_grad.register_autograd(_init_routing_grad_backward,
+                                        setup_context=_init_routing_grad_setup)

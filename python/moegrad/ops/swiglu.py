@@ -6,6 +6,7 @@ float8 dtype); the C++ side is src/ops/swiglu/.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -39,7 +40,9 @@ def _(x, weight=None, group_index=None, clamp_limit=-1.0):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@_op("moegrad::swiglu_group_quant_backward")
+@_op("moegrad::swiglu_group_quant_backward", no_double_backward=(
+    "the second derivative of SwiGLU (w.r.t. x) is not implemented; for second-order "
+    "gradients differentiate a PyTorch formula of swiglu_group"))
 def swiglu_group_quant_backward(grad_y: Tensor, x: Tensor, weight: Optional[Tensor] = None,
                                 y_origin: Optional[Tensor] = None,
                                 group_index: Optional[Tensor] = None,
@@ -98,9 +101,9 @@ swiglu_group.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 # Quantised forward (§6, D10, D24; docs/decisions.md L24-L28)
 # ---------------------------------------------------------------------------------------------
 # dst_type: the vendor's Python codes (torch_npu 291/292/290/296/297 and torch ScalarType 23/24)
-# mapped to the aclDataType codes of the native call. Unknown values are passed through, so the
-# native error names them.
-_DST_CODES = {291: 35, 23: 35, 292: 36, 24: 36, 290: 34, 296: 40, 297: 41}
+# reach the native plan as given; it translates them to aclDataType, validates and names the
+# code given in its errors (L153). The fake kernel needs the output dtype of the FP8 codes.
+_DST_CODES = {291: 35, 23: 35, 292: 36, 24: 36}
 _FP8_DTYPES = {35: torch.float8_e5m2, 36: torch.float8_e4m3fn}
 
 
@@ -124,9 +127,8 @@ def _swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
     """
     x, weight, group_index, scale = (x.contiguous(), _contig(weight), _contig(group_index),
                                      _contig(scale))
-    code = _DST_CODES.get(dst_type, dst_type)
     y, y_scale, y_origin = _execute(_C.plan_swiglu_group_quant(
-        x, weight, group_index, scale, code, quant_mode, block_size, round_scale, clamp_limit,
+        x, weight, group_index, scale, dst_type, quant_mode, block_size, round_scale, clamp_limit,
         dst_type_max, output_origin), x)
     return y, y_scale, y_origin
 
@@ -202,5 +204,10 @@ def swiglu_group_quant(x: Tensor, weight: Optional[Tensor] = None,
             raise MoeError(f"swiglu_group_quant: dst_type: must be torch.float8_e4m3fn or "
                            f"torch.float8_e5m2; got {dst_type}", 161002)
         dst_type = _DST_TYPES[dst_type]
-    return _swiglu_group_quant(x, weight, group_index, scale, int(dst_type), quant_mode,
+    try:  # the code as given: int() would report 290.5 as 290 (L153)
+        dst_type = operator.index(dst_type)
+    except TypeError:
+        raise MoeError("swiglu_group_quant: dst_type: must be a torch float8 dtype or an int "
+                       f"code; got {dst_type!r}", 161002) from None
+    return _swiglu_group_quant(x, weight, group_index, scale, dst_type, quant_mode,
                                block_size, round_scale, clamp_limit, dst_type_max, output_origin)

@@ -7,6 +7,7 @@
 #include <array>
 
 #include "core/executor.h"
+#include "core/slot_sort.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
@@ -53,6 +54,7 @@ struct FinalizeRoutingBiasGradPlan : PlanBase {
   Slot ws_offsets, ws_fill;        // per-expert slot lists: E + 1 offsets, E fill cursors
   Slot ws_slots;                   // R*K slot numbers sorted by expert
   Slot ws_acc;                     // CPU scratch, one tile row per thread
+  cuda::SlotSort cuda_sort;        // CUDA: the stable slot sort by expert
   std::array<TensorView*, 1> output_views() { return {&grad_bias}; }
 };
 

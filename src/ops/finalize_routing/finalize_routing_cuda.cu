@@ -7,6 +7,7 @@
 // fixed-order block reduction (no floating-point atomics, D16; L44).
 #include "core/cuda_backend.h"
 #include "core/cuda_common.cuh"
+#include "core/cuda_sort.cuh"
 #include "core/host.h"
 #include "ops/finalize_routing/finalize_routing.h"
 
@@ -16,6 +17,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kMetaK = 256;  // slots whose row offsets are staged in shared memory
+constexpr int kFwdUnroll = 4;  // slots whose rows are loaded before they are added
 
 struct FwdParams {
   const void* ex;
@@ -56,10 +58,10 @@ __global__ void __launch_bounds__(kThreads) finalize_fwd_kernel(FwdParams p) {
   __shared__ int64_t s_x[kMetaK], s_b[kMetaK];
   __shared__ float s_s[kMetaK];
   constexpr int W = Vec<T>::W;
-  const T* ex = static_cast<const T*>(p.ex);
-  const T* x1 = static_cast<const T*>(p.x1);
-  const T* x2 = static_cast<const T*>(p.x2);
-  const T* bias = static_cast<const T*>(p.bias);
+  const T* __restrict__ ex = static_cast<const T*>(p.ex);
+  const T* __restrict__ x1 = static_cast<const T*>(p.x1);
+  const T* __restrict__ x2 = static_cast<const T*>(p.x2);
+  const T* __restrict__ bias = static_cast<const T*>(p.bias);
   const int64_t H = p.H, K = p.K;
   const bool staged = K <= kMetaK;
   const int64_t nv = p.vec ? H / W : 0;
@@ -77,36 +79,44 @@ __global__ void __launch_bounds__(kThreads) finalize_fwd_kernel(FwdParams p) {
       if (staged) return Slot{s_x[k], s_b[k], s_s[k]};
       return fwd_slot(p, r, k);
     };
-    T* orow = static_cast<T*>(p.out) + r * H;
+    T* __restrict__ orow = static_cast<T*>(p.out) + r * H;
     for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
       const int64_t h = v * W;
       Vec<T> acc;
       if (x1) {
-        acc = ld_vec(x1 + r * H + h);
+        acc = ld_vec_nc(x1 + r * H + h);
       } else {
 #pragma unroll
         for (int i = 0; i < W; ++i) acc.v[i] = 0.0f;
       }
       if (x2) {
-        const Vec<T> b = ld_vec(x2 + r * H + h);
+        const Vec<T> b = ld_vec_nc(x2 + r * H + h);
 #pragma unroll
         for (int i = 0; i < W; ++i) acc.v[i] += b.v[i];
       }
-#pragma unroll 4
-      for (int64_t k = 0; k < K; ++k) {
-        const Slot sl = slot(k);
-        if (sl.x >= 0 && sl.b >= 0) {
-          const Vec<T> xv = ld_vec(ex + sl.x + h), bv = ld_vec(bias + sl.b + h);
+      // kFwdUnroll slots at a time: every present row's 16-byte load issued first (up to
+      // 2 * kFwdUnroll in flight), then the adds in slot order with the CPU's operations.
+      for (int64_t k0 = 0; k0 < K; k0 += kFwdUnroll) {
+        Slot sl[kFwdUnroll];
+        Vec<T> xv[kFwdUnroll], bv[kFwdUnroll];
 #pragma unroll
-          for (int i = 0; i < W; ++i) acc.v[i] += sl.s * (xv.v[i] + bv.v[i]);
-        } else if (sl.x >= 0) {
-          const Vec<T> xv = ld_vec(ex + sl.x + h);
+        for (int u = 0; u < kFwdUnroll; ++u) {
+          sl[u] = k0 + u < K ? slot(k0 + u) : Slot{-1, -1, 0.0f};
+          if (sl[u].x >= 0) xv[u] = ld_vec_nc(ex + sl[u].x + h);
+          if (sl[u].b >= 0) bv[u] = ld_vec_nc(bias + sl[u].b + h);
+        }
 #pragma unroll
-          for (int i = 0; i < W; ++i) acc.v[i] += sl.s * xv.v[i];
-        } else if (sl.b >= 0) {  // dropped slots keep their bias term (D7, L5)
-          const Vec<T> bv = ld_vec(bias + sl.b + h);
+        for (int u = 0; u < kFwdUnroll; ++u) {
+          if (sl[u].x >= 0 && sl[u].b >= 0) {
 #pragma unroll
-          for (int i = 0; i < W; ++i) acc.v[i] += sl.s * bv.v[i];
+            for (int i = 0; i < W; ++i) acc.v[i] += sl[u].s * (xv[u].v[i] + bv[u].v[i]);
+          } else if (sl[u].x >= 0) {
+#pragma unroll
+            for (int i = 0; i < W; ++i) acc.v[i] += sl[u].s * xv[u].v[i];
+          } else if (sl[u].b >= 0) {  // dropped slots keep their bias term (D7, L5)
+#pragma unroll
+            for (int i = 0; i < W; ++i) acc.v[i] += sl[u].s * bv[u].v[i];
+          }
         }
       }
       st_vec(orow + h, acc);
@@ -243,6 +253,67 @@ __global__ void __launch_bounds__(kThreads) finalize_grad_kernel(GradParams p) {
   }
 }
 
+
+// Bias grad (D23): block (e, c) sums the slots of expert e over a chunk of columns, in slot
+// order (the stable sort keeps each expert's list in slot order), s * g rounded and added on its
+// own (no FMA) from +0: the CPU's operations in the CPU's order, so the same bits. Each thread
+// owns one 16-byte vector of columns and keeps kBiasUnroll slots' loads in flight.
+constexpr int kBiasUnroll = 4;
+struct BiasGradParams {
+  const void* gy;
+  const void* scales;
+  const int32_t* slots;
+  const int32_t* starts;
+  void* out;
+  int64_t K, H, E;
+  int sdt;
+  bool vec;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) bias_grad_kernel(BiasGradParams p) {
+  constexpr int W = Vec<T>::W;
+  const T* __restrict__ gy = static_cast<const T*>(p.gy);
+  const int64_t e = blockIdx.x, H = p.H;
+  const int64_t q0 = p.starts[e], q1 = p.starts[e + 1];
+  T* __restrict__ orow = static_cast<T*>(p.out) + e * H;
+  if (p.vec) {
+    const int64_t h = (int64_t{blockIdx.y} * blockDim.x + threadIdx.x) * W;
+    if (h >= H) return;
+    Vec<T> acc;
+#pragma unroll
+    for (int i = 0; i < W; ++i) acc.v[i] = 0.0f;
+    for (int64_t q = q0; q < q1; q += kBiasUnroll) {
+      Vec<T> g[kBiasUnroll];
+      float sc[kBiasUnroll];
+#pragma unroll
+      for (int u = 0; u < kBiasUnroll; ++u) {
+        if (q + u < q1) {
+          const int64_t i = p.slots[q + u];
+          sc[u] = p.scales ? ld_any(p.scales, p.sdt, i) : 1.0f;
+          g[u] = ld_vec(gy + (i / p.K) * H + h);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBiasUnroll; ++u) {
+        if (q + u >= q1) break;
+#pragma unroll
+        for (int i = 0; i < W; ++i) acc.v[i] += sc[u] * g[u].v[i];
+      }
+    }
+    st_vec(orow + h, acc);
+  } else {
+    const int64_t h = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;
+    if (h >= H) return;
+    float acc = 0.0f;
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t i = p.slots[q];
+      const float sc = p.scales ? ld_any(p.scales, p.sdt, i) : 1.0f;
+      acc += sc * ld(gy + (i / p.K) * H + h);
+    }
+    st(orow + h, acc);
+  }
+}
 
 uint64_t strict_bytes(bool strict, int64_t limit, int64_t num_bias) {
   if (!strict) return 0;
@@ -385,16 +456,46 @@ void finalize_routing_grad_cuda(const FinalizeRoutingGradPlan& plan, const Works
   check_launch(plan.op);
 }
 
-// No CUDA kernel for the bias gradient yet: planning refuses CUDA tensors (the Python front
-// computes it on the CPU for CUDA tensors; docs/cuda.md).
-void finalize_routing_bias_grad_cuda_size(FinalizeRoutingBiasGradPlan& plan, WorkspaceLayout&) {
-  throw Error(kErrParamInvalid, cat(plan.op, ": device: this operator has no CUDA kernel yet; "
-                                             "pass CPU tensors"));
+void finalize_routing_bias_grad_cuda_size(FinalizeRoutingBiasGradPlan& plan,
+                                          WorkspaceLayout& layout) {
+  // Slots sorted by expert (stable: each expert's list in slot order); invalid ids last.
+  cuda::SlotSort so;
+  so.n = plan.R * plan.K;
+  so.lo = 0;
+  so.limit = plan.E;
+  so.sentinel = static_cast<uint32_t>(plan.E);
+  so.bins = plan.E;
+  so.in_limit = so.sentinel;
+  cuda::slot_sort_size(plan.op, plan.device_id, so, layout);
+  plan.cuda_sort = so;
 }
 
-void finalize_routing_bias_grad_cuda(const FinalizeRoutingBiasGradPlan& plan, const Workspace&,
-                                     void*) {
-  throw Error(kErrParamInvalid, cat(plan.op, ": device: this operator has no CUDA kernel yet"));
+void finalize_routing_bias_grad_cuda(const FinalizeRoutingBiasGradPlan& plan,
+                                     const Workspace& ws, void* stream) {
+  using namespace cuda;
+  if (plan.E == 0 || plan.H == 0) return;
+  set_device(plan.op, plan.device_id);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const SortedSlots sorted = slot_sort_run(plan.op, plan.cuda_sort, plan.expert_idx, ws, s);
+  BiasGradParams p;
+  p.gy = plan.grad_y.data;
+  p.scales = plan.has_scales ? plan.scales.data : nullptr;
+  p.sdt = static_cast<int>(plan.has_scales ? plan.scales.dtype : plan.grad_y.dtype);
+  p.slots = sorted.slots;
+  p.starts = sorted.starts;
+  p.out = plan.grad_bias.data;
+  p.K = plan.K;
+  p.H = plan.H;
+  p.E = plan.E;
+  p.vec = vec_ok(plan.H, plan.grad_y.dtype, {p.gy, p.out});
+  dispatch(plan.grad_y.dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t cols = p.vec ? int64_t{kThreads} * Vec<T>::W : kThreads;
+    const dim3 grid(static_cast<unsigned int>(plan.E),
+                    static_cast<unsigned int>((plan.H + cols - 1) / cols));
+    bias_grad_kernel<T><<<grid, kThreads, 0, s>>>(p);
+  });
+  check_launch(plan.op);
 }
 
 }  // namespace moegrad

@@ -18,6 +18,7 @@
 #include "core/simd-inl.h"
 #include "core/rows-inl.h"
 #include "hwy/highway.h"
+#include "ops/gating_topk/gating_formula.h"
 #include "ops/gating_topk/gating_topk.h"
 
 #ifndef MOEGRAD_GATING_TOPK_CPU_ONCE_
@@ -27,20 +28,9 @@ namespace gating_detail {
 
 constexpr int64_t kMaxExpertsCpu = 2048;  // the validated bound on N
 
-// Ranking key (L2): one unsigned compare orders larger scores first, NaN above every number,
-// +0 == -0, and equal scores by lower index. Key 0 is below every score (excluded experts).
-inline uint64_t rank_key(float v, int32_t index) {
-  uint32_t u = f32_bits(v + 0.0f);  // -0 -> +0
-  if (std::isnan(v)) {
-    u = 0xffffffffu;
-  } else {
-    u ^= (u & 0x80000000u) ? 0xffffffffu : 0x80000000u;  // monotone float -> unsigned map
-  }
-  return (static_cast<uint64_t>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(index));
-}
-inline int32_t key_index(uint64_t key) {
-  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
-}
+// The ranking key of L2, shared with the CUDA kernels (gating_formula.h).
+using gating_formula::key_index;
+using gating_formula::rank_key;
 
 // The k largest keys of keys[0..n), largest first, into out[0..k). Insertion into a sorted
 // list for small k (one pass; most candidates fail the first compare), partial sort otherwise.

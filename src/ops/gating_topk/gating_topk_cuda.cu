@@ -8,6 +8,7 @@
 #include "core/cuda_backend.h"
 #include "core/cuda_common.cuh"
 #include "core/host.h"
+#include "ops/gating_topk/gating_formula.h"
 #include "ops/gating_topk/gating_topk.h"
 
 namespace moegrad {
@@ -16,20 +17,12 @@ namespace {
 
 using u64 = unsigned long long;
 
-// Ranking key (L2): larger scores first, NaN above every number, +0 == -0, equal scores by
-// lower index; key 0 ranks below every score (experts of groups not kept).
-__device__ __forceinline__ u64 rank_key(float v, int32_t index) {
-  uint32_t u = __float_as_uint(v + 0.0f);  // -0 -> +0
-  if (isnan(v)) {
-    u = 0xffffffffu;
-  } else {
-    u ^= (u & 0x80000000u) ? 0xffffffffu : 0x80000000u;
-  }
-  return (static_cast<u64>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(index));
-}
-__device__ __forceinline__ int32_t key_index(u64 key) {
-  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key));
-}
+// The ranking key (L2) and the scalar norm functions: one definition with the CPU.
+using gating_formula::key_index;
+using gating_formula::rank_key;
+using gating_formula::sigmoid_stable;
+using gating_formula::sqrt_softplus;
+using gating_formula::sqrt_softplus_grad;
 
 // The k largest keys among `count` (<= 2048) candidates, largest first: emit(t, id) is called
 // by every lane for t = 0..k-1 with the winner's id (key_index of its key). Candidate i (id =
@@ -60,6 +53,98 @@ __device__ __forceinline__ void warp_top_k(int count, int k, int base, KeyFn key
       mine = lane_best();
     }
   }
+}
+
+// ---- per-lane partial top-k with a warp merge ----
+
+constexpr int kMergeK = 8;  // k of the merge path (DeepSeek-V3, Qwen3, Mixtral, GPT-OSS)
+
+// Inserts v into the descending list top[0..kMergeK) (compile-time indices only: registers).
+__device__ __forceinline__ void insert_desc(u64 (&top)[kMergeK], u64 v) {
+#pragma unroll
+  for (int i = 0; i < kMergeK; ++i) {
+    const u64 hi = top[i] > v ? top[i] : v;
+    v = top[i] > v ? v : top[i];
+    top[i] = hi;
+  }
+}
+
+// The lane's kMergeK best keys among candidates lane, lane + 32, ... < count.
+template <class KeyFn>
+__device__ __forceinline__ void lane_top_k(int count, int lane, u64 (&top)[kMergeK], KeyFn key) {
+#pragma unroll
+  for (int i = 0; i < kMergeK; ++i) top[i] = 0;
+  for (int j = lane; j < count; j += 32) insert_desc(top, key(j));
+}
+
+// Butterfly merge over the warp: at each step a lane takes the kMergeK best of its list and its
+// partner's. The elementwise maximum of one descending list and the other reversed holds the
+// kMergeK best of the union as a bitonic sequence, which a half-cleaner network (strides 4, 2,
+// 1) sorts. The keys are unique (index in the low bits; 0 only for excluded candidates), so
+// every lane ends with the same list, largest first.
+__device__ __forceinline__ void warp_merge_top_k(u64 (&top)[kMergeK]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    u64 q[kMergeK];
+#pragma unroll
+    for (int i = 0; i < kMergeK; ++i) q[i] = __shfl_xor_sync(0xffffffffu, top[i], o);
+#pragma unroll
+    for (int i = 0; i < kMergeK; ++i) {
+      const u64 b = q[kMergeK - 1 - i];
+      top[i] = top[i] > b ? top[i] : b;
+    }
+#pragma unroll
+    for (int st = kMergeK / 2; st > 0; st >>= 1) {
+#pragma unroll
+      for (int i = 0; i < kMergeK; ++i) {
+        if ((i & st) == 0) {
+          const u64 a = top[i], b = top[i + st];
+          top[i] = a > b ? a : b;
+          top[i + st] = a > b ? b : a;
+        }
+      }
+    }
+  }
+}
+
+// Group scores of the grouped selection, all groups at once (G <= 32, take <= 2): the lanes of
+// a group (a power of two of them, 32 / G rounded down) each keep the two best keys of their
+// share of the group's candidates, merge them with xor shuffles, and the group's first lane
+// writes the sum of the take best scores, best first: the same keys, order and sum as one
+// warp_top_k per group.
+template <class Params>
+__device__ __forceinline__ void group_scores_parallel(const Params& p, const float* score,
+                                                      float* gscore, int lane) {
+  int lpg = 1;
+  while (lpg * 2 * p.G <= 32) lpg *= 2;
+  const int g = lane / lpg, sub = lane % lpg;
+  const int base = g * p.gsize;
+  u64 b0 = 0, b1 = 0;
+  if (g < p.G) {
+    for (int i = sub; i < p.gsize; i += lpg) {
+      const u64 k = rank_key(score[base + i], base + i);
+      if (k > b0) {
+        b1 = b0;
+        b0 = k;
+      } else if (k > b1) {
+        b1 = k;
+      }
+    }
+  }
+  for (int o = lpg / 2; o > 0; o >>= 1) {
+    const u64 q0 = __shfl_xor_sync(0xffffffffu, b0, o), q1 = __shfl_xor_sync(0xffffffffu, b1, o);
+    const u64 n0 = b0 > q0 ? b0 : q0;
+    const u64 n1 = b0 > q0 ? (b1 > q0 ? b1 : q0) : (b0 > q1 ? b0 : q1);
+    b0 = n0;
+    b1 = n1;
+  }
+  if (g < p.G && sub == 0) {
+    float gs = 0.0f;
+    gs += score[key_index(b0)];
+    if (p.take == 2) gs += score[key_index(b1)];
+    gscore[g] = gs;
+  }
+  __syncwarp();
 }
 
 struct FwdParams {
@@ -119,26 +204,28 @@ __global__ void gating_fwd_kernel(FwdParams p) {
       const float inv = has_nan ? __int_as_float(0x7fc00000) : 1.0f / warp_sum(part);
       for (int j = lane; j < N; j += 32) norm[j] *= inv;
     } else if (p.norm_type == 1) {
-      for (int j = lane; j < N; j += 32) norm[j] = sigmoid_f(ld(xr + j));
+      for (int j = lane; j < N; j += 32) norm[j] = sigmoid_stable(ld(xr + j));
     } else {
       for (int j = lane; j < N; j += 32) {
-        const float l = ld(xr + j);
-        const float sp = fmaxf(l, 0.0f) + log1pf(expf(-fabsf(l)));
-        norm[j] = isnan(l) ? l : sqrtf(sp);
+        norm[j] = sqrt_softplus(ld(xr + j));
       }
     }
     for (int j = lane; j < N; j += 32) score[j] = p.has_bias ? norm[j] + ld(bias + j) : norm[j];
     __syncwarp();
 
     if (p.grouped) {
-      const int gsize = p.gsize;
-      for (int g = 0; g < p.G; ++g) {
-        const int base = g * gsize;
-        float gs = 0.0f;
-        warp_top_k(
-            gsize, p.take, base, [&](int i) { return rank_key(score[base + i], base + i); },
-            [&](int, int id) { gs += score[id]; });
-        if (lane == 0) gscore[g] = gs;
+      if (p.G <= 32 && p.take <= 2) {
+        group_scores_parallel(p, score, gscore, lane);
+      } else {
+        const int gsize = p.gsize;
+        for (int g = 0; g < p.G; ++g) {
+          const int base = g * gsize;
+          float gs = 0.0f;
+          warp_top_k(
+              gsize, p.take, base, [&](int i) { return rank_key(score[base + i], base + i); },
+              [&](int, int id) { gs += score[id]; });
+          if (lane == 0) gscore[g] = gs;
+        }
       }
       for (int g = lane; g < p.G; g += 32) kept[g] = 0;
       __syncwarp();
@@ -151,6 +238,25 @@ __global__ void gating_fwd_kernel(FwdParams p) {
     }
 
     float sum = 0.0f;
+    if (K <= kMergeK) {
+      // Per-lane top-kMergeK over the lane's candidates, then a butterfly merge: every lane
+      // ends with the same k best keys, largest first (5 dependent exchange steps instead of K
+      // serial warp-max rounds).
+      u64 top[kMergeK];
+      lane_top_k(N, lane, top, [&](int j) -> u64 {
+        if (p.grouped && !kept[j / p.gsize]) return 0;
+        return rank_key(score[j], j);
+      });
+      warp_merge_top_k(top);
+#pragma unroll
+      for (int t = 0; t < kMergeK; ++t) {
+        if (t < K) {
+          const int id = key_index(top[t]);
+          sum += norm[id];
+          if (lane == 0) order[t] = id;
+        }
+      }
+    } else {
     warp_top_k(
         N, K, 0,
         [&](int j) -> u64 {
@@ -161,6 +267,7 @@ __global__ void gating_fwd_kernel(FwdParams p) {
           sum += norm[id];
           if (lane == 0) order[t] = id;
         });
+    }
     __syncwarp();
     const float denom = sum + p.eps;
     T* yr = static_cast<T*>(p.y) + r * K;
@@ -189,14 +296,6 @@ struct BwdParams {
   float rsf, eps;
 };
 
-// d sqrt(softplus(x)) / dx expressed through n = sqrt(softplus(x)): (1 - e^-n^2) / (2n), its
-// series n/2 near 0; NaN propagates (the CPU's SqrtSoftplusGrad).
-__device__ __forceinline__ float sqrt_softplus_grad(float n) {
-  const float num = -expm1f(-(n * n));
-  const float r = fabsf(n) < 1e-4f ? n * 0.5f : (num * 0.5f) / n;
-  return isnan(n) ? n : r;
-}
-
 template <typename T>
 __global__ void gating_bwd_kernel(BwdParams p) {
   extern __shared__ float smem[];
@@ -215,11 +314,25 @@ __global__ void gating_bwd_kernel(BwdParams p) {
     const T* gr = gy + r * K;
     // Slot k = k0 + lane is loaded by one lane (chunks of 32 slots); the sums of §1.5 then run
     // over the slots in k order through shuffles, exactly the CPU's order, so the bits match.
-    auto load = [&](int k0, int32_t& e, float& w, float& g) {
+    auto read = [&](int k0, int32_t& e, float& w, float& g) {
       const int k = k0 + lane;
       e = k < K ? er[k] : -1;
       w = (e >= 0 && e < N) ? xr[e] : 0.0f;  // invalid device indices are skipped (D6)
       g = k < K ? p.rsf * ld(gr + k) : 0.0f;
+    };
+    // K <= 32 (every MoE model): the slots are read once, into registers, and the three sums
+    // below reuse them (a single pass over memory); larger K re-read their chunks.
+    int32_t e1 = -1;
+    float w1 = 0.0f, g1 = 0.0f;
+    if (K <= 32) read(0, e1, w1, g1);
+    auto load = [&](int k0, int32_t& e, float& w, float& g) {
+      if (K <= 32) {
+        e = e1;
+        w = w1;
+        g = g1;
+      } else {
+        read(k0, e, w, g);
+      }
     };
     float sum = 0.0f;
     for (int k0 = 0; k0 < K; k0 += 32) {

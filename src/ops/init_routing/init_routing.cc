@@ -101,12 +101,12 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     v.check_shape(E > 0, "expert_num",
                   "must be > 0 with an active_expert_range; got ", E);
     v.check_shape(0 <= lo && lo < hi && hi <= E, "active_expert_range",
-                  "must be [start, end) with 0 <= start < end <= expert_num (", E, "); got [",
-                  lo, ", ", hi, ")");
+                  "[start, end] must satisfy 0 <= start < end <= expert_num (", E, "); got [",
+                  lo, ", ", hi, "]");
     if (mode == 1) {
       v.check_shape(lo == 0 && hi == E, "active_expert_range",
-                    "must cover all experts [0, ", E, ") in drop-pad mode; got [", lo, ", ",
-                    hi, ")");
+                    "must be [0, ", E, "] (all experts) in drop-pad mode; got [", lo, ", ",
+                    hi, "]");
     }
   }
 
@@ -271,9 +271,12 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
 }
 
 namespace {
-const KernelTable<InitRoutingPlan> kForward = {{init_routing_cpu_size, init_routing_cpu}, {}};
-const KernelTable<InitRoutingGradPlan> kGrad = {{init_routing_grad_cpu_size,
-                                                 init_routing_grad_cpu}, {}};
+const KernelTable<InitRoutingPlan> kForward = {
+    {init_routing_cpu_size, init_routing_cpu},
+    MOEGRAD_CUDA_ENTRY(init_routing_cuda_size, init_routing_cuda)};
+const KernelTable<InitRoutingGradPlan> kGrad = {
+    {init_routing_grad_cpu_size, init_routing_grad_cpu},
+    MOEGRAD_CUDA_ENTRY(init_routing_grad_cuda_size, init_routing_grad_cuda)};
 }  // namespace
 
 ExecutorPtr plan_moe_init_routing(const TensorView* x, const TensorView* expert_idx,

@@ -6,6 +6,7 @@
 #include <array>
 
 #include "core/executor.h"
+#include "core/slot_sort.h"
 #include "moegrad/moegrad.h"
 
 namespace moegrad {
@@ -34,6 +35,7 @@ struct InitRoutingPlan : PlanBase {
   // row (-1: none).
   bool source_order = false;
   Slot ws_dest;
+  cuda::SlotSort cuda_sort;  // CUDA: the stable slot sort by expert id
   std::array<TensorView*, 3> output_views() {
     return {&expanded_x, &expanded_row_idx, &expert_tokens};
   }
@@ -61,6 +63,14 @@ void init_routing_cpu_size(InitRoutingPlan& plan, WorkspaceLayout& layout);
 void init_routing_cpu(const InitRoutingPlan& plan, const Workspace& ws, void* stream);
 void init_routing_grad_cpu_size(InitRoutingGradPlan& plan, WorkspaceLayout& layout);
 void init_routing_grad_cpu(const InitRoutingGradPlan& plan, const Workspace& ws, void* stream);
+
+#if defined(MOEGRAD_WITH_CUDA)
+// CUDA kernels (init_routing_cuda.cu); `stream` is a cudaStream_t.
+void init_routing_cuda_size(InitRoutingPlan& plan, WorkspaceLayout& layout);
+void init_routing_cuda(const InitRoutingPlan& plan, const Workspace& ws, void* stream);
+void init_routing_grad_cuda_size(InitRoutingGradPlan& plan, WorkspaceLayout& layout);
+void init_routing_grad_cuda(const InitRoutingGradPlan& plan, const Workspace& ws, void* stream);
+#endif
 
 }  // namespace moegrad
 

@@ -107,8 +107,13 @@ aclnnStatus aclnnMoeInitRoutingV3GetWorkspaceSize(
     a.row_idx_type = rowIdxType;
     if (activeExpertRangeOptional != nullptr && !activeExpertRangeOptional->values.empty()) {
       const auto& r = activeExpertRangeOptional->values;
-      v.check_shape(r.size() == 2, "active_expert_range",
-                    "must hold 2 values [start, end); got ", r.size());
+      if (r.size() != 2) {
+        // The list as given (L154), not only its length.
+        std::string got;
+        for (size_t i = 0; i < r.size(); ++i) got += cat(i ? ", " : "", r[i]);
+        v.fail_shape("active_expert_range", cat("must hold 2 values [start, end]; got [", got,
+                                                "] (", r.size(), " values)"));
+      }
       a.has_range = true;
       a.expert_start = r[0];
       a.expert_end = r[1];

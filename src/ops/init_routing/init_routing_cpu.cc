@@ -21,6 +21,7 @@
 #include "core/rows-inl.h"
 #include "hwy/highway.h"
 #include "ops/init_routing/init_routing.h"
+#include "ops/init_routing/init_routing_formula.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace moegrad {
@@ -32,7 +33,7 @@ template <typename T>
 HWY_INLINE const T* grad_src(const InitRoutingGradPlan& p, const int32_t* idx, const T* g,
                              int64_t i) {
   const int64_t d = idx[i];
-  return (d < 0 || d >= p.rows) ? nullptr : g + d * p.H;
+  return init_routing_formula::grad_row_valid(d, p.rows) ? g + d * p.H : nullptr;
 }
 
 // Whether the init routing grad prefetches its gathered rows in software: not when K rows of
@@ -113,10 +114,8 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
     const int64_t cap = p.capacity;
     parallel_rows(p.rows, p.threads, [&](int, int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
-        const int64_t b = j / cap, q = j % cap;
-        const int64_t cnt = starts[b + 1] - starts[b];
-        const unsigned char* src =
-            q < cnt ? x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb : nullptr;
+        const int64_t d = init_routing_formula::drop_pad_source(j, cap, starts);
+        const unsigned char* src = d >= 0 ? x + static_cast<int64_t>(sorted[d] / K) * rb : nullptr;
         rows::StreamBytes(src, ex + j * rb, rb, nt);
       }
       hwy::FlushStream();
@@ -157,8 +156,7 @@ void InitRoutingCopyBySource(const InitRoutingPlan& p, const int32_t* dest, cons
     const int64_t cap = p.capacity;
     parallel_rows(rows, p.threads, [&](int, int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
-        const int64_t b = j / cap, q = j % cap;
-        if (q >= starts[b + 1] - starts[b]) {
+        if (init_routing_formula::drop_pad_source(j, cap, starts) < 0) {
           rows::StreamBytes(nullptr, ex + j * static_cast<int64_t>(rb), rb, nt);
         }
       }
@@ -221,8 +219,9 @@ void write_tokens(const InitRoutingPlan& p, const int32_t* starts, int64_t bins,
   }
   int64_t run = 0;
   for (int64_t b = 0; b < bins; ++b) {
+    const int64_t start = run;
     run += count(b);
-    out[b] = static_cast<C>(p.token_type == 0 ? run : count(b));
+    out[b] = static_cast<C>(init_routing_formula::token_value(p.token_type, start, run));
   }
 }
 
@@ -309,11 +308,7 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
           const int32_t d = h[b]++;
           sorted[d] = static_cast<int32_t>(s);
           if (!gather && !dest) continue;
-          int32_t row = d;
-          if (drop_pad) {
-            const int64_t q = d - starts[b];
-            row = q < cap ? static_cast<int32_t>(b * cap + q) : -1;  // lowest tokens kept
-          }
+          const int32_t row = init_routing_formula::dest_row(d, b, starts[b], drop_pad, cap);
           if (gather) idx[s] = row;
           if (dest) dest[s] = row;
         }

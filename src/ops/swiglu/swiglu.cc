@@ -1,5 +1,6 @@
 // Validation, shape inference and planning of the SwiGLU operators (§5.6, D9, D11).
 #include "ops/swiglu/swiglu.h"
+#include "ops/swiglu/swiglu_formula.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,7 +20,7 @@ constexpr int kMaxRank = 8;  // §5.3: ranks 1..8 (2..8 documented, 1 accepted b
 float check_clamp(const Validator& v, double clamp_limit) {
   const float c = static_cast<float>(clamp_limit);
   v.check_shape(c == -1.0f || c > 0.0f, "clamp_limit",
-                "must be -1.0 (off) or > 0; got ", clamp_limit);
+                "must be -1.0 (off) or > 0 as float32; got ", clamp_limit);
   return c;
 }
 
@@ -60,10 +61,9 @@ int64_t swiglu_active_rows(const TensorView* group_index, bool has_group_index, 
   // no int64 element count can overflow it), then clamped to [0, T], so garbage or huge counts
   // can neither overflow nor wrap around to a small or negative total (L8, L52).
   const int64_t* g = static_cast<const int64_t*>(group_index->data);
-  __int128 sum = 0;
+  swiglu_formula::Sum128 sum = 0;
   for (int64_t i = 0; i < group_index->numel(); ++i) sum += g[i];
-  if (sum <= 0) return 0;
-  return sum >= static_cast<__int128>(T) ? T : static_cast<int64_t>(sum);
+  return swiglu_formula::rows_of_sum(sum, T);
 }
 
 SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
@@ -215,6 +215,19 @@ const char* quant_dst_name(int64_t code) {
     default: return "an unknown type";
   }
 }
+
+// dst_type of the Python front (docs/operators.md §6.2) -> aclDataType: the vendor's torch_npu
+// codes and torch's ScalarType codes of the FP8 types; any other value is an aclDataType code.
+int64_t acl_dst_type(int64_t code) {
+  switch (code) {
+    case 291: case 23: return 35;
+    case 292: case 24: return 36;
+    case 290: return 34;
+    case 296: return 40;
+    case 297: return 41;
+    default: return code;
+  }
+}
 }  // namespace
 
 SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* weight,
@@ -240,14 +253,18 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
   }
   v.check(a.quant_mode == 0 || a.quant_mode == 1, kErrParamInvalid, "quant_mode",
           "must be 0 (FP8 blocks of 128) or 1 (MX blocks of 32); got ", a.quant_mode);
-  const int64_t dst = a.dst_type;
+  // Messages name the code as the caller gave it, in the caller's vocabulary (L153).
+  const int64_t dst = a.python_dst_codes ? acl_dst_type(a.dst_type) : a.dst_type;
+  const char* fp8_codes = a.python_dst_codes
+                              ? "float8_e4m3fn 292 / 24 or float8_e5m2 291 / 23"
+                              : "float8_e4m3fn 36 or float8_e5m2 35";
   if (dst == 34 || dst == 40 || dst == 41) {
     v.fail(kErrParamInvalid, "dst_type",
-           cat(quant_dst_name(dst), " output is not supported (FP8 e4m3fn 36 or e5m2 35 only); got ",
-               dst));
+           cat(quant_dst_name(dst), " output is not supported (", fp8_codes, " only); got ",
+               a.dst_type));
   }
-  v.check(dst == 35 || dst == 36, kErrParamInvalid, "dst_type",
-          "must be 36 (float8_e4m3fn) or 35 (float8_e5m2); got ", dst);
+  v.check(dst == 35 || dst == 36, kErrParamInvalid, "dst_type", "must be ", fp8_codes, "; got ",
+          a.dst_type);
   const int64_t block = a.quant_mode == 0 ? 128 : 32;
   v.check(a.block_size == 0 || a.block_size == block, kErrParamInvalid, "block_size",
           "must be 0 or ", block, " for quant_mode ", a.quant_mode, "; got ", a.block_size);
@@ -339,8 +356,9 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
 }
 
 namespace {
-// No CUDA kernel yet: a CUDA tensor gets 161002 "no cuda kernel" in stage one (L24).
-const KernelTable<SwigluQuantPlan> kQuant = {{swiglu_quant_cpu_size, swiglu_quant_cpu}, {}};
+const KernelTable<SwigluQuantPlan> kQuant = {
+    {swiglu_quant_cpu_size, swiglu_quant_cpu},
+    MOEGRAD_CUDA_ENTRY(swiglu_quant_cuda_size, swiglu_quant_cuda)};
 }  // namespace
 
 ExecutorPtr plan_swiglu_group_quant(const TensorView* x, const TensorView* weight,

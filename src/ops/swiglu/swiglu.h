@@ -46,6 +46,7 @@ struct SwigluQuantPlan : PlanBase {
   int64_t blocks = 0;        // scales per row: ceil(H / block)
   int64_t scale_stride = 0;  // scale elements per row: blocks (mode 0), 2*ceil(blocks/2) (mode 1)
   Shape y_shape, y_scale_shape, y_origin_shape;
+  Slot ws_active;  // CUDA: the group_index row count, computed on the device
   std::array<TensorView*, 3> output_views() { return {&y, &y_scale, &y_origin}; }
 };
 
@@ -73,8 +74,7 @@ void swiglu_cpu_size(SwigluPlan& plan, WorkspaceLayout& layout);
 void swiglu_cpu(const SwigluPlan& plan, const Workspace& ws, void* stream);
 void swiglu_grad_cpu_size(SwigluGradPlan& plan, WorkspaceLayout& layout);
 void swiglu_grad_cpu(const SwigluGradPlan& plan, const Workspace& ws, void* stream);
-// The quantised forward (swiglu_quant_cpu.cc). A CUDA backend adds swiglu_quant_cuda_size /
-// swiglu_quant_cuda below and its MOEGRAD_CUDA_ENTRY in the kernel table (swiglu.cc).
+// The quantised forward (swiglu_quant_cpu.cc).
 void swiglu_quant_cpu_size(SwigluQuantPlan& plan, WorkspaceLayout& layout);
 void swiglu_quant_cpu(const SwigluQuantPlan& plan, const Workspace& ws, void* stream);
 
@@ -84,15 +84,8 @@ void swiglu_cuda_size(SwigluPlan& plan, WorkspaceLayout& layout);
 void swiglu_cuda(const SwigluPlan& plan, const Workspace& ws, void* stream);
 void swiglu_grad_cuda_size(SwigluGradPlan& plan, WorkspaceLayout& layout);
 void swiglu_grad_cuda(const SwigluGradPlan& plan, const Workspace& ws, void* stream);
-#endif
-
-#ifdef MOEGRAD_WITH_CUDA
-// CUDA launchers (swiglu_cuda.cu): stage two on `stream` (a cudaStream_t) with the
-// workspace sized by the *_workspace function; no host synchronisation, no allocation.
-uint64_t swiglu_cuda_workspace(const SwigluPlan& plan);
-void swiglu_cuda(const SwigluPlan& plan, void* workspace, void* stream);
-uint64_t swiglu_grad_cuda_workspace(const SwigluGradPlan& plan);
-void swiglu_grad_cuda(const SwigluGradPlan& plan, void* workspace, void* stream);
+void swiglu_quant_cuda_size(SwigluQuantPlan& plan, WorkspaceLayout& layout);
+void swiglu_quant_cuda(const SwigluQuantPlan& plan, const Workspace& ws, void* stream);
 #endif
 
 }  // namespace moegrad

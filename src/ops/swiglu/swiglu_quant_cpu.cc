@@ -21,30 +21,16 @@
 #include "ops/swiglu/fp8.h"
 #include "ops/swiglu/swiglu-inl.h"
 #include "ops/swiglu/swiglu.h"
+#include "ops/swiglu/swiglu_formula.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace moegrad {
 namespace HWY_NAMESPACE {
 namespace {
 
-using quant_detail::pow2_ceil;
-
-constexpr float kAmaxFloor = 1e-4f;  // §6.4: the block amax is at least 1e-4
-
-// The scale of a block from its amax over the finite values (§6.4); *inv is what the values
-// are multiplied by before encoding.
+// The block scale of §6.4, shared with the CUDA kernel (swiglu_formula.h).
 HWY_INLINE float BlockScale(float amax, float fmax, bool round_scale, float* inv) {
-  const float ah = std::max(amax, kAmaxFloor);
-  float scale = ah / fmax;
-  if (round_scale) {
-    scale = pow2_ceil(scale);
-    // 1 / scale, exact: the power of two 2^(127 - e) for the biased exponent e of the scale,
-    // which lies in [98, 247] (amax between 1e-4 and the largest float, fmax 448 or 57344).
-    *inv = f32_from_bits((254u - (f32_bits(scale) >> 23)) << 23);
-  } else {
-    *inv = fmax / ah;
-  }
-  return scale;
+  return swiglu_formula::block_scale(amax, fmax, round_scale, inv);
 }
 
 // Encodes the n values of a chunk, block by block (inv[k]: block k's multiplier). Not inlined:
@@ -93,7 +79,7 @@ HWY_INLINE void LaneMaxima16(const float* HWY_RESTRICT v, float* HWY_RESTRICT ou
 template <bool kE5M2>
 constexpr float Fp8Max() { return kE5M2 ? 57344.0f : 448.0f; }
 
-constexpr float kMaxFiniteF = 3.4028235e38f;  // the largest finite float
+constexpr float kMaxFiniteF = swiglu_formula::kMaxFinite;
 
 // max(vmax, av) where av (an |value|) is finite: inf and NaN take no part in a block's amax
 // (L73); `fin` holds kMaxFiniteF in every lane.
@@ -261,7 +247,7 @@ HWY_NOINLINE void QuantBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1
     if (sc32) {
       sc32[k] = s;
     } else {
-      sc8[k] = static_cast<uint8_t>(f32_bits(s) >> 23);  // e8m0: the biased exponent
+      sc8[k] = swiglu_formula::e8m0_code(s);  // e8m0: the biased exponent
     }
     // The previous block's codes now: they do not wait on this block's amax, so the core
     // overlaps the two (encoding each block right after its own amax left the scheduler
@@ -425,7 +411,7 @@ void QuantRows(const SwigluQuantPlan& p, int64_t active, float* buf, int64_t beg
           sc32[t * S + blk0 + static_cast<int64_t>(k)] = s;
         } else {
           // e8m0: the biased exponent
-          sc8[t * S + blk0 + static_cast<int64_t>(k)] = static_cast<uint8_t>(f32_bits(s) >> 23);
+          sc8[t * S + blk0 + static_cast<int64_t>(k)] = swiglu_formula::e8m0_code(s);
         }
       }
       EncodeChunk<kE5M2>(o, static_cast<int64_t>(n), B, inv, stream, yr + h0);
