@@ -6,13 +6,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 JOBS ?= $(shell nproc)
+# pytest-xdist workers for the Python suites (0: one process).
+PYTEST_JOBS ?= $(JOBS)
 SOURCES := $(shell find src include python cmake -type f -not -name '*.pyc') CMakeLists.txt pyproject.toml
 CPP_TEST_SOURCES := $(shell find tests/cpp tests/consumer examples -type f 2>/dev/null)
 # The CI build (CI=true, set by .ci/run) turns compiler warnings into errors; local builds only
 # show them (docs/decisions.md L63).
 WERROR := $(if $(filter true 1 yes,$(CI)),ON,OFF)
+# CUDA architectures of the package and C++ test builds (empty: CMakeLists.txt's list; .ci/run
+# compiles one, L212).
+CUDA_ARCHS ?=
 
-.PHONY: demo demo-ep test test-python test-cpp bench setup clean fuzz fuzz-build test-asan
+.PHONY: demo demo-ep test test-python test-cpp cpp-build bench setup clean fuzz fuzz-build test-asan
 
 demo: $(VENV)/.installed
 	$(PY) -m moegrad.demo $(ARGS)
@@ -26,10 +31,12 @@ demo-ep: $(VENV)/.installed
 test: test-python test-cpp
 
 test-python: $(VENV)/.installed
-	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/python -q -n $(PYTEST_JOBS) $(PYTEST_ARGS)
 
 test-cpp: build/cpp/.built
 	ctest --test-dir build/cpp --output-on-failure -j $(JOBS)
+
+cpp-build: build/cpp/.built
 
 bench: $(VENV)/.installed
 	$(PY) -m moegrad.bench $(ARGS)
@@ -53,13 +60,15 @@ $(VENV)/.installed: $(VENV)/.deps $(SOURCES)
 	@echo "==> Compiling moegrad (C++17 kernels for every SIMD target, the Python module; CUDA" \
 	  "kernels when nvcc is found) and installing it into .venv: about 3-4 minutes on 2 cores" \
 	  "for a first build (longer with CUDA), seconds when little changed. Progress: [n/N] below."
-	$(PY) -m pip install -v --no-build-isolation --no-deps -C cmake.define.MOEGRAD_WERROR=$(WERROR) .
+	$(PY) -m pip install -v --no-build-isolation --no-deps -C cmake.define.MOEGRAD_WERROR=$(WERROR) \
+	  $(if $(CUDA_ARCHS),-C cmake.define.MOEGRAD_CUDA_ARCHS="$(CUDA_ARCHS)") .
 	touch $@
 
 build/cpp/.built: $(VENV)/.deps $(SOURCES) $(CPP_TEST_SOURCES)
 	@echo "==> Building the C++ library, its tests and the C example in build/cpp: about 4-6" \
 	  "minutes on 2 cores the first time. Progress: [n/N] below."
-	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_WERROR=$(WERROR) >/dev/null
+	cmake -S . -B build/cpp -G Ninja -DMOEGRAD_BUILD_TESTS=ON -DMOEGRAD_WERROR=$(WERROR) \
+	  $(if $(CUDA_ARCHS),-DMOEGRAD_CUDA_ARCHS="$(CUDA_ARCHS)") >/dev/null
 	cmake --build build/cpp -j $(JOBS)
 	touch $@
 
@@ -75,19 +84,23 @@ FUZZERS := fuzz_gating_top_k fuzz_gating_top_k_backward fuzz_finalize_routing \
 # libFuzzer harnesses under ASan + UBSan (clang); FUZZ_SECONDS per harness, non-zero exit on
 # any finding. FUZZ_RUNS=N stops each harness after N inputs instead.
 fuzz: build/fuzz/.built
-	bash tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_RUNS)
+	FUZZ_JOBS=$(JOBS) bash tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_RUNS)
 
 fuzz-build: build/fuzz/.built
 
+# Without CUDA and with one Highway target (docs/testing.md, L211): the harnesses call the CPU
+# backend, and every SIMD target is tested by the plain C++ suite.
 build/fuzz/.built: $(VENV)/.deps $(SOURCES) $(FUZZ_SOURCES)
 	CC=clang-16 CXX=clang++-16 cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DMOEGRAD_BUILD_FUZZERS=ON -DMOEGRAD_SANITIZE=address,undefined >/dev/null
+	  -DMOEGRAD_BUILD_FUZZERS=ON -DMOEGRAD_SANITIZE=address,undefined -DMOEGRAD_WITH_CUDA=OFF \
+	  -DMOEGRAD_HWY_ONE_TARGET=ON >/dev/null
 	cmake --build build/fuzz -j $(JOBS) --target $(FUZZERS)
 	touch $@
 
 # The whole C++ suite and the Python suite against an ASan + UBSan build (scripts/test-asan.sh).
+# ASAN_STEPS picks steps of it: build, cpp, python (default: all three).
 test-asan: $(VENV)/.deps
-	JOBS=$(JOBS) bash scripts/test-asan.sh $(PYTEST_ARGS)
+	JOBS=$(JOBS) PYTEST_JOBS=$(PYTEST_JOBS) bash scripts/test-asan.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf build

@@ -3,8 +3,8 @@
 # Safe to re-run: it does nothing when everything is present.
 set -euo pipefail
 # clang-16 and libclang-rt-16-dev (libFuzzer, sanitizer runtimes) serve `make fuzz` (clang 14
-# lacks _Float16 on x86-64).
-PACKAGES=(g++ make libhwy-dev libgtest-dev libbenchmark-dev fortunes clang-16 libclang-rt-16-dev)
+# lacks _Float16 on x86-64). ccache: .ci/run compiles each translation unit once per set of flags.
+PACKAGES=(g++ make libhwy-dev libgtest-dev libbenchmark-dev fortunes clang-16 libclang-rt-16-dev ccache)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

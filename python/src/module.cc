@@ -11,6 +11,7 @@
 
 #include "core/check.h"
 #include "core/host.h"
+#include "core/stream_probe.h"
 #include "moegrad/moegrad.h"
 
 namespace nb = nanobind;
@@ -279,6 +280,24 @@ NB_MODULE(_C, m) {
   m.def("_advise_huge_pages", [](uintptr_t data, uint64_t bytes) {
     advise_huge_pages(reinterpret_cast<void*>(data), bytes);
   }, nb::arg("data"), nb::arg("bytes"));
+  // The benchmark's streaming roof (core/stream_probe.h): fp32 buffers given by address and
+  // element count (torch data_ptr / numel), on moegrad's thread count.
+  m.def("_stream_read", [](uintptr_t data, int64_t n) {
+    nb::gil_scoped_release release;
+    return stream_read(reinterpret_cast<const float*>(data), n);
+  }, nb::arg("data"), nb::arg("n"));
+  m.def("_stream_write", [](uintptr_t data, int64_t n, float value) {
+    nb::gil_scoped_release release;
+    stream_write(reinterpret_cast<float*>(data), n, value);
+  }, nb::arg("data"), nb::arg("n"), nb::arg("value"));
+  m.def("_stream_copy", [](uintptr_t src, uintptr_t dst, int64_t n) {
+    nb::gil_scoped_release release;
+    stream_copy(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(dst), n);
+  }, nb::arg("src"), nb::arg("dst"), nb::arg("n"));
+  m.def("_dependent_adds", [](int64_t n) {
+    nb::gil_scoped_release release;
+    return dependent_adds(n);
+  }, nb::arg("n"));
 
   // ---- the two stages of the Python front: plan_<op>(inputs, attrs) -> (plan, outputs,
   // workspace bytes); run(plan, outputs, workspace, stream) ----

@@ -21,6 +21,7 @@ import torch
 
 import moegrad
 from moegrad import bench
+from moegrad.bench import roof
 from moegrad import reference_torch as rt
 from moegrad.bench.report import progress
 
@@ -33,7 +34,9 @@ RECORD_FIELDS = {
     "ms_moegrad": float, "ms_kernel": float, "ms_eager": float, "gbps": float,
     "gbps_api": float, "roofline_frac": float, "speedup_eager": float, "threads": int,
     "copy_gbps": float, "n_sets": int, "cold": bool, "check": str, "copy_samples": list,
-    "attempts": int, "copy_low": bool,
+    "attempts": int, "copy_low": bool, "read_gbps": float, "write_gbps": float,
+    "stream_copy_gbps": float, "read_bytes": int, "write_bytes": int, "ms_roof": float,
+    "roof_frac": float,
 }
 
 
@@ -51,6 +54,9 @@ def test_bench_tiny_run_writes_checked_records(tmp_path, seed):
     assert rc == 0, [r["check"] for r in records if r["check"] != "ok"]
     assert meta["seed"] == seed and meta["threads"] == 1 and meta["mode"] == "tiny"
     assert meta["copy_gbps"] > 0 and meta["llc_bytes"] > 0
+    for key in ("roof_start", "roof_end"):
+        assert set(meta[key]) == set(bench.roof.KINDS) and min(meta[key].values()) > 0
+    assert meta["clock_ghz"] > 0
     assert set(meta["bytes_definition"]) == set(bench.OPS)
     assert {r["op"] for r in records} == set(bench.OPS)
     for r in records:
@@ -68,6 +74,14 @@ def test_bench_tiny_run_writes_checked_records(tmp_path, seed):
         # the denominator is the median of the copy samples of the case's own window
         assert len(r["copy_samples"]) == 3 and all(c > 0 for c in r["copy_samples"])
         assert r["copy_gbps"] == pytest.approx(float(np.median(r["copy_samples"])))
+        # the streaming roof: reads at the read bandwidth plus writes at the write bandwidth
+        assert r["read_bytes"] + r["write_bytes"] == r["bytes"] and r["write_bytes"] > 0
+        assert r["ms_roof"] == pytest.approx(1e-6 * (r["read_bytes"] / r["read_gbps"]
+                                                     + r["write_bytes"] / r["write_gbps"]))
+        assert r["roof_frac"] == pytest.approx(r["ms_roof"] / r["ms_kernel"])
+        if r["op"] in bench.ROOF_EXEMPT:  # compute-bound: cycles per token at the clock
+            assert r["cycles_per_token"] == pytest.approx(
+                r["ms_kernel"] * 1e6 * r["clock_ghz"] * r["threads"] / r["shape"]["T"])
         assert 1 <= r["attempts"] <= 1 + bench.REMEASURE
         assert r["speedup_eager"] == pytest.approx(r["ms_eager"] / r["ms_moegrad"])
         # the bytes column follows the documented per-op formula
@@ -435,7 +449,9 @@ def test_bench_overhead_mode_records_every_op(tmp_path, seed):
 
 def test_target_checks_follow_the_issue_targets():
     """Backward ops: roofline, 4x eager, 1.5x compile; forward: roofline, 1x compile; the gating
-    top-k forward has no roofline target; a record without compile has no compile check."""
+    top-k forward has no roofline target; a record without compile has no compile check. The
+    roofline target is TARGET_ROOF of the streaming roof (roof_frac), or TARGET_COPY of the
+    copy bandwidth for a record of a run without the roof."""
     def rec(op, roof, eag, cmp_):
         return dict(op=op, model="m", dtype="bf16", shape=dict(T=bench.TARGET_TOKENS),
                     roofline_frac=roof, speedup_eager=eag, speedup_compile=cmp_, gbps=1.0,
@@ -454,8 +470,17 @@ def test_target_checks_follow_the_issue_targets():
                                                                  compile=None)
     md = bench.targets_markdown([rec("moe_init_routing_grad", 0.71, 4.1, 1.49),
                                  rec("moe_gating_top_k", 0.01, 1.0, None)])
-    assert "1.49× ✗" in md and "exempt" in md and "2 of 3 target checks met." in md
+    assert "1.49× ✗" in md and "compute (" in md and "2 of 3 target checks met." in md
     assert "ceiling" not in md  # no compile time in these records: no ceiling to give
+    # with the streaming roof, roof_frac decides, whatever the copy fraction
+    assert bench.TARGET_ROOF == 0.80 and bench.TARGET_COPY == 0.70
+    new = dict(rec("swiglu_group", 1.2, 0.5, 1.0), roof_frac=0.79, read_gbps=9.0,
+               write_gbps=7.0)
+    assert tc(new)["roofline"] is False
+    assert tc(dict(new, roofline_frac=0.5, roof_frac=0.8))["roofline"] is True
+    md = bench.targets_markdown([new, dict(rec("moe_gating_top_k", 0.01, 1.0, None),
+                                           cycles_per_token=1234.4)])
+    assert "| 0.79 ✗ |" in md and "9.0 / 7.0" in md and "1234 cycles/token" in md
 
 
 def test_compile_ceiling_is_the_window_s_best_possible_ratio():
@@ -478,7 +503,8 @@ def test_compile_ceiling_is_the_window_s_best_possible_ratio():
 def test_probe_in_cache_measures_the_roofline_misses(monkeypatch):
     """Only records at TARGET_TOKENS that miss the roofline target get an in-cache rate: the
     same case at T halved until it moves <= IN_CACHE_LLC_FRACTION x LLC, its kernel timed on
-    one buffer set; compute-bound when that rate is below TARGET_ROOF x the reference copy."""
+    one buffer set; compute-bound when that time is above the streaming roof of its bytes /
+    TARGET_ROOF (records without the roof: its rate below TARGET_COPY x the reference copy)."""
     T = bench.TARGET_TOKENS
 
     def rec(op, roof):
@@ -505,9 +531,15 @@ def test_probe_in_cache_measures_the_roofline_misses(monkeypatch):
     assert c["bytes"] <= limit < bench.build_case("swiglu_group", "gpt_oss", "bf16",
                                                    2 * c["T"]).bytes
     assert c["gbps"] == pytest.approx(c["bytes"] / 1e-3 / 1e9)
-    assert c["compute_bound"] == (c["gbps"] < bench.TARGET_ROOF * 80.0)
+    assert c["compute_bound"] == (c["gbps"] < bench.TARGET_COPY * 80.0)
     md = bench.targets_markdown([miss, met])
     assert f"(T={c['T']}" in md and "In cache:" in md
+    # with the roof's bandwidths: 1 ms for the in-cache bytes is compute-bound against a
+    # roof of 1e6 GB/s and memory-bound against 1e-3 GB/s
+    for bw, bound in ((1e6, True), (1e-3, False)):
+        r = dict(rec("swiglu_group", 0.5), roof_frac=0.5, read_gbps=bw, write_gbps=bw)
+        bench.probe_in_cache([r], llc, bench.Budget(), 1, ref_copy=80.0)
+        assert r["in_cache"]["compute_bound"] is bound
 
 
 def test_probe_same_size_copy_times_the_misses_against_a_copy_of_their_bytes(monkeypatch):
@@ -558,3 +590,53 @@ def test_same_size_copies_move_the_bytes():
     assert len({c.func.__self__.data_ptr() for c in calls}) == 4
     calls[2]()
     assert bool((dst == 1.0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# the streaming roof (bench/roof.py)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 4099])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_stream_probes_read_write_and_copy_every_element(n, offset):
+    # Any length and alignment: the probes stream whole aligned vectors and do the ragged ends
+    # with plain loads and stores, on 1 and 3 threads.
+    src = torch.arange(n + offset + 8, dtype=torch.float32) % 61 - 30.0
+    for threads in (1, 3):
+        with roof._threads(threads):
+            s = roof._C._stream_read(src.data_ptr() + 4 * offset, n)
+            assert s == float(src[offset:offset + n].double().sum())
+            dst = torch.full((n + offset + 8,), float("nan"))
+            roof._C._stream_write(dst.data_ptr() + 4 * offset, n, 2.5)
+            assert torch.equal(dst[offset:offset + n], torch.full((n,), 2.5))
+            assert dst[:offset].isnan().all() and dst[offset + n:].isnan().all()
+            dst.fill_(float("nan"))
+            roof._C._stream_copy(src.data_ptr() + 4 * offset, dst.data_ptr() + 4 * offset, n)
+            assert torch.equal(dst[offset:offset + n], src[offset:offset + n])
+            assert dst[:offset].isnan().all() and dst[offset + n:].isnan().all()
+
+
+def test_stream_probe_measures_every_kind_on_its_threads():
+    before = (moegrad._C.get_num_threads(), torch.get_num_threads())
+    p = roof.StreamProbe(threads=2, llc=1 << 16, min_bytes=1 << 20)
+    s = p.measure(reps=2)
+    assert set(s) == set(roof.KINDS)
+    assert all(math.isfinite(v) and v > 0 for v in s.values()), s
+    assert (moegrad._C.get_num_threads(), torch.get_num_threads()) == before
+    assert torch.equal(p.dst, p.src)  # the copy ran last but one, after the write
+
+
+def test_roof_time_splits_reads_and_writes():
+    a, b, out = torch.empty(10), torch.empty(3, dtype=torch.bfloat16), torch.empty(4)
+    # a tensor passed twice counts once; attributes are skipped
+    assert roof.split_bytes((a, b, 7, a, out), (out,)) == (46, 16)
+    bw = dict(read=2.0, write=0.5)
+    assert roof.roof_seconds(4e9, 1e9, bw) == pytest.approx(2.0 + 2.0)
+    # a copy of N bytes at 2 N / copy seconds against its roof N / read + N / write
+    assert roof.copy_on_roof(dict(read=2.0, write=0.5, copy=1.6)) == pytest.approx(2.5 / 1.25)
+
+
+def test_clock_and_cycles_per_token():
+    ghz = roof.clock_ghz(n=200_000, reps=3)
+    assert 0.2 < ghz < 10.0, ghz          # a real core's clock, whatever the load
+    assert roof.cycles_per_token(2.0, 1000, 2, 3.0) == pytest.approx(2e-3 * 3e9 * 2 / 1000)
+    assert roof.cycles_per_token(2.0, 0, 2, 3.0) is None

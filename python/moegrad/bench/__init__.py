@@ -26,12 +26,17 @@ Method (details in docs/performance.md):
   the kernel); ``ms_kernel`` the native call ``moegrad._C.<op>`` into preallocated, rotating
   outputs; ``ms_eager`` the plain-PyTorch formula of ``moegrad.reference_torch``;
   ``ms_compile`` ``torch.compile`` (inductor, static shapes) of that same formula. The four
-  are interleaved in rounds with copy-bandwidth samples (``time_interleaved``), so every ratio
-  of a record compares numbers taken in the same window of time.
-* ``bytes``: each input read once plus each output written once (BYTES table below).
-  ``gbps`` = bytes / ms_kernel, ``roofline_frac`` = gbps / ``copy_gbps``, the median of the
-  case's copy samples: ``Tensor.copy_`` of a 128 MB buffer (at least 4 x LLC) on the same
-  threads, counted as 2 x size (read + write). The VM's bandwidth has slow and fast phases
+  are interleaved in rounds with samples of the streaming roof (``time_interleaved``,
+  ``roof.StreamProbe``), so every ratio of a record compares numbers taken in the same window
+  of time.
+* ``bytes``: each input read once plus each output written once (BYTES table below), split
+  into ``read_bytes`` and ``write_bytes``. ``roof_frac`` = ``ms_roof`` / ms_kernel, where
+  ``ms_roof`` = read_bytes / ``read_gbps`` + write_bytes / ``write_gbps``, the medians of the
+  case's samples of a read-only sum and a write-only fill (non-temporal stores) of a 128 MB
+  buffer (at least 4 x LLC) on the same threads (roof.py). ``gbps`` = bytes / ms_kernel and
+  ``roofline_frac`` = gbps / ``copy_gbps``, the samples' ``Tensor.copy_`` of that buffer
+  counted as 2 x size: the copy fraction reported before the roof, kept beside it. The gating
+  forward (compute-bound) reports ``cycles_per_token`` at the measured ``clock_ghz``. The VM's bandwidth has slow and fast phases
   (42 to 80 GB/s on the development machine): cases whose window fell below 0.85 x the run's
   reference (the highest of the cases' copy bandwidths) are measured again at the end of the
   run, up to twice (within half the run's time), and the attempt with the highest copy
@@ -55,10 +60,11 @@ import torch
 
 import moegrad
 
+from . import roof
 from .ops import (BACKWARD_OPS, BYTES, DEFAULT_MEM_LIMIT_GB, DTYPES, FULL_TOKENS,  # noqa: F401
                   HEADER, IN_CACHE_LLC_FRACTION, LOW_COPY, MAX_SETS, MODELS, OPS,
-                  OVERHEAD_VARIANTS, REMEASURE, ROOF_EXEMPT, TARGET_ROOF, TARGET_TOKENS, Budget,
-                  Case, CaseData, CopyProbe, build_case, check_outputs, clone_set,
+                  OVERHEAD_VARIANTS, REMEASURE, ROOF_EXEMPT, TARGET_COPY, TARGET_ROOF,
+                  TARGET_TOKENS, Budget, Case, CaseData, StreamProbe, build_case, check_outputs, clone_set,
                   copy_bandwidth_gbps, estimate_memory, format_row, in_cache_tokens, llc_bytes,
                   mirror_ops, n_sets_for, probe_in_cache, probe_same_size_copy,
                   remeasure_low_copy, roofline_misses, run_case, run_overhead, same_size_copies,
@@ -153,13 +159,17 @@ def main(argv=None) -> int:
         moegrad.set_num_threads(args.threads)
         llc, llc_src = llc_bytes()
         copy_gbps = copy_bandwidth_gbps(args.threads, llc)
-        probe = CopyProbe(args.threads, llc)
+        # --tiny checks the machinery, not the machine: small probe buffers
+        probe = StreamProbe(args.threads, 0, 4 << 20) if args.tiny else StreamProbe(args.threads,
+                                                                                    llc)
+        roof_start = probe.measure()
         mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         meta = dict(
             date=datetime.datetime.now().isoformat(timespec="seconds"),
             moegrad=moegrad.__version__, torch=torch.__version__, python=platform.python_version(),
             cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
             threads=args.threads, llc_bytes=llc, llc_source=llc_src, copy_gbps=copy_gbps,
+            roof_start=roof_start, clock_ghz=roof.clock_ghz(),
             mem_total_gb=mem_total / 2**30, mem_limit_gb=args.mem_limit_gb, seed=args.seed,
             mode="tiny" if args.tiny else "quick" if args.quick else "full",
             loadavg_start=os.getloadavg()[0],
@@ -169,10 +179,15 @@ def main(argv=None) -> int:
               f"threads={args.threads} | LLC {llc / 2**20:.0f} MiB ({llc_src}) | "
               f"RAM {meta['mem_total_gb']:.0f} GiB | copy bandwidth {copy_gbps:.1f} GB/s | "
               f"seed {args.seed} | load average {meta['loadavg_start']:.2f}")
+        print(f"streaming roof: read {roof_start['read']:.1f}, write {roof_start['write']:.1f}, "
+              f"copy {roof_start['copy']:.1f} GB/s (Tensor.copy_ {roof_start['torch_copy']:.1f}; "
+              f"the copy at {roof.copy_on_roof(roof_start):.2f} of the roof); "
+              f"clock {meta['clock_ghz']:.2f} GHz")
         print(f"cases above ~{args.mem_limit_gb:g} GB estimated footprint are skipped "
               f"(this machine has {meta['mem_total_gb']:.0f} GiB and {meta['cores']} cores). "
               "Times in ms (median); moegrad = public op, kernel = _C call into preallocated "
-              "outputs; GB/s and roof from kernel; speedups = eager or compile / moegrad.")
+              "outputs; GB/s from kernel; roof = streaming roof time / kernel time, copyf = "
+              "GB/s / copy; speedups = eager or compile / moegrad.")
         if meta["loadavg_start"] > 0.5:
             print(f"warning: load average {meta['loadavg_start']:.2f} before the run: other "
                   "processes compete for the cores; timings will be noisy")
@@ -223,6 +238,7 @@ def main(argv=None) -> int:
         meta["summary"] = summarize(records)
         if records:
             print_summary(meta["summary"])
+        meta["roof_end"] = probe.measure()
         del probe
         copy_end = copy_bandwidth_gbps(args.threads, llc)
         meta["copy_gbps_end"] = copy_end

@@ -1,5 +1,5 @@
 """The benchmark's measurements: model shapes, cases, byte counts, interleaved timing, the
-copy-bandwidth probe, the per-case run, the T=16 call-overhead mode and the re-measuring
+streaming-roof probe (roof.py), the per-case run, the T=16 call-overhead mode and the re-measuring
 and probing passes. Method: the package docstring (moegrad.bench) and docs/performance.md.
 """
 from __future__ import annotations
@@ -22,6 +22,9 @@ import moegrad
 from moegrad import _C
 from moegrad import reference_torch as ref
 from moegrad.ops._registry import OPS as REGISTERED
+
+from . import roof
+from .roof import StreamProbe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,8 +60,9 @@ OP_MODELS = {"clipped_swiglu": ("gpt_oss",), "clipped_swiglu_grad": ("gpt_oss",)
 AUTOGRAD_BASELINE = {"clipped_swiglu_grad": "clipped_swiglu"}
 # Targets (docs/performance.md "Targets"): every case at TARGET_TOKENS tokens, 2 threads.
 TARGET_TOKENS = 4096
-TARGET_ROOF = 0.70                        # of the copy bandwidth; not for ROOF_EXEMPT
-ROOF_EXEMPT = ("moe_gating_top_k",)       # compute-bound: reported in ns per token instead
+TARGET_ROOF = 0.80                        # of the streaming roof (roof.py); not ROOF_EXEMPT
+TARGET_COPY = 0.70                        # of the copy bandwidth: runs before the roof existed
+ROOF_EXEMPT = ("moe_gating_top_k",)       # compute-bound: reported in cycles per token instead
 TARGET_EAGER_BWD, TARGET_COMPILE_BWD, TARGET_COMPILE_FWD = 4.0, 1.5, 1.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FULL_TOKENS = (1, 16, 256, 1024, 4096, 16384)
@@ -193,28 +197,6 @@ def copy_bandwidth_gbps(threads: int, llc: int, allocations: int = 5, reps: int 
         per_alloc.append(2 * nbytes / statistics.median(times) / 1e9)
         del src, dst
     return statistics.median(per_alloc)
-
-
-class CopyProbe:
-    """A short copy-bandwidth sample taken right before each case (the VM shares its memory
-    bandwidth with its host: it drifts by tens of percent within minutes). One buffer pair of
-    max(128 MB, 4 x LLC) kept for the whole run; median of `reps` copies, 2 x size."""
-
-    def __init__(self, threads: int, llc: int):
-        self.threads = threads
-        self.nbytes = max(128 << 20, 4 * llc)
-        self.src = torch.empty(self.nbytes // 4, dtype=torch.float32).fill_(1.0)
-        self.dst = torch.empty_like(self.src).fill_(0.0)
-
-    def measure(self, reps: int = 5) -> float:
-        torch.set_num_threads(self.threads)
-        self.dst.copy_(self.src)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            self.dst.copy_(self.src)
-            times.append(time.perf_counter() - t0)
-        return 2 * self.nbytes / statistics.median(times) / 1e9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,26 +523,27 @@ class _Method:
 
 
 def time_interleaved(methods: Dict[str, Sequence[Callable[[], object]]], budget: Budget,
-                     probe: Optional["CopyProbe"], rounds: int) -> Tuple[Dict[str, float],
-                                                                         List[float]]:
-    """Median seconds per call of every method, and copy-bandwidth samples, all taken in one
+                     probe: Optional[StreamProbe], rounds: int) -> Tuple[Dict[str, float],
+                                                                         List[dict]]:
+    """Median seconds per call of every method, and bandwidth samples (`probe.measure`: the
+    streaming roof's read, write and copy, roof.py), all taken in one
     time window (the VM's memory bandwidth drifts by tens of percent within minutes, so numbers
     that are divided by each other must be measured together).
 
     Each method rotates through its list of calls (one per buffer set). Warm-up: one pass over
     the sets (at most 64 calls, at least `warmup_calls`; one call when a call takes longer than
-    the budget). Then `rounds` rounds; a round takes one copy sample (when `probe` is given),
+    the budget). Then `rounds` rounds; a round takes one bandwidth sample (when `probe` is given),
     then gives every method in turn its share of the budget: one untimed lead-in call (not for
     calls slower than the budget), then calls until both ceil(min_calls / rounds) (one for
     calls slower than the budget) and seconds / rounds are reached, or max_calls / rounds. One
-    more copy sample closes the window. The lead-in makes each timed call follow a call of its
+    more sample closes the window. The lead-in makes each timed call follow a call of its
     own method, as an op's calls follow each other in a training loop, instead of the state
     another method's long call left behind: on a VM that hands free memory back to its host,
     a fresh output's pages cost several times the op itself right after an eager call of a
     few seconds (docs/decisions.md L139).
-    Returns ({name: median seconds}, [copy GB/s samples])."""
+    Returns ({name: median seconds}, [samples])."""
     state = {name: _Method(fns, budget) for name, fns in methods.items()}
-    samples: List[float] = []
+    samples: List[dict] = []
     per_round_s = budget.seconds / rounds
     for _ in range(rounds):
         if probe is not None:
@@ -614,7 +597,7 @@ def _fmt_x(v: Optional[float]) -> str:
 
 HEADER = (f"{'op':<28} {'model':<12} {'dt':<4} {'T':>6} {'shape':<30} {'MB':>8} "
           f"{'moegrad':>9} {'kernel':>9} {'eager':>9} {'compile':>9} {'GB/s':>6} "
-          f"{'copy':>5} {'roof':>5} {'vs eag':>7} {'vs cmp':>7}  check")
+          f"{'copy':>5} {'roof':>5} {'copyf':>5} {'vs eag':>7} {'vs cmp':>7}  check")
 
 
 def format_row(r: dict) -> str:
@@ -622,8 +605,20 @@ def format_row(r: dict) -> str:
             f"{r['desc']:<30} {r['bytes'] / 1e6:>8.2f} {_fmt_ms(r['ms_moegrad']):>9} "
             f"{_fmt_ms(r['ms_kernel']):>9} {_fmt_ms(r['ms_eager']):>9} "
             f"{_fmt_ms(r['ms_compile']):>9} {r['gbps']:>6.1f} {r['copy_gbps']:>5.1f} "
-            f"{r['roofline_frac']:>5.2f} "
+            f"{_fmt_frac(r.get('roof_frac')):>5} {r['roofline_frac']:>5.2f} "
             f"{_fmt_x(r['speedup_eager']):>7} {_fmt_x(r['speedup_compile']):>7}  {r['check']}")
+
+
+def _fmt_frac(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def roof_met(r: dict) -> bool:
+    """The memory-bound target: roof_frac >= TARGET_ROOF, or for a record of a run before the
+    streaming roof (no roof_frac), the copy fraction >= TARGET_COPY."""
+    if r.get("roof_frac") is not None:
+        return r["roof_frac"] >= TARGET_ROOF
+    return r["roofline_frac"] >= TARGET_COPY
 
 
 def target_checks(r: dict) -> Dict[str, Optional[bool]]:
@@ -631,7 +626,7 @@ def target_checks(r: dict) -> Dict[str, Optional[bool]]:
     bwd = r["op"] in BACKWARD_OPS
     cmp_ = r.get("speedup_compile")
     return dict(
-        roofline=None if r["op"] in ROOF_EXEMPT else r["roofline_frac"] >= TARGET_ROOF,
+        roofline=None if r["op"] in ROOF_EXEMPT else roof_met(r),
         eager=(r["speedup_eager"] >= TARGET_EAGER_BWD) if bwd else None,
         compile=None if cmp_ is None else cmp_ >= (TARGET_COMPILE_BWD if bwd
                                                    else TARGET_COMPILE_FWD))
@@ -656,11 +651,15 @@ def autograd_backward(forward: Callable) -> Callable:
 
 
 def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
-             do_compile: bool, budget: Budget, probe: Optional["CopyProbe"] = None,
+             do_compile: bool, budget: Budget, probe: Optional[StreamProbe] = None,
              rounds: int = 1) -> dict:
     """One case: build the buffer sets, check the outputs once, then time the public op, the
-    kernel, eager and compile interleaved with copy-bandwidth samples of `probe` (the record's
-    `copy_gbps` is their median; `copy_gbps` argument when no probe)."""
+    kernel, eager and compile interleaved with streaming-roof samples of `probe` (roof.py).
+    The record's `copy_gbps` is the median of the samples' Tensor.copy_ (`copy_gbps` argument
+    when no probe), `roofline_frac` the kernel's bytes per second over it; `roof_frac` =
+    `ms_roof` / `ms_kernel`, `ms_roof` the case's read bytes at the samples' median read
+    bandwidth plus its write bytes at their write bandwidth (None without a probe). The
+    compute-bound ops (ROOF_EXEMPT) get `cycles_per_token` at the measured clock."""
     g = torch.Generator().manual_seed(seed)
     base = case.make(g)
     actual = tensors_nbytes(base)
@@ -712,15 +711,28 @@ def run_case(case: Case, args, llc: int, copy_gbps: float, seed: int,
     med, samples = time_interleaved(methods, budget, probe, rounds)
     ms_api, ms_kernel, ms_eager = (1e3 * med[k] for k in ("api", "kernel", "eager"))
     ms_compile = 1e3 * med["compile"] if "compile" in med else None
-    copy_gbps = statistics.median(samples) if samples else copy_gbps
+    bw = roof.median_sample(samples)
+    copy_gbps = bw.get("torch_copy", copy_gbps)
+    read_bytes, write_bytes = roof.split_bytes(base.native_args, base.native_outputs)
+    ms_roof = 1e3 * roof.roof_seconds(read_bytes, write_bytes, bw) if bw else None
+    extra = {}
+    if case.op in ROOF_EXEMPT:
+        ghz = roof.clock_ghz()
+        extra = dict(clock_ghz=ghz,
+                     cycles_per_token=roof.cycles_per_token(ms_kernel, case.tokens,
+                                                            args.threads, ghz))
     gbps = case.bytes / (ms_kernel * 1e-3) / 1e9
-    return dict(
+    return dict(extra,
         op=case.op, model=case.model, dtype=case.dtype, shape=case.dims, desc=case.desc,
         bytes=case.bytes, ms_moegrad=ms_api, ms_kernel=ms_kernel, ms_eager=ms_eager,
         ms_compile=ms_compile, gbps=gbps, gbps_api=case.bytes / (ms_api * 1e-3) / 1e9,
         roofline_frac=gbps / copy_gbps, speedup_eager=ms_eager / ms_api,
         speedup_compile=(ms_compile / ms_api) if ms_compile is not None else None,
-        threads=args.threads, copy_gbps=copy_gbps, copy_samples=samples, n_sets=n_sets,
+        threads=args.threads, copy_gbps=copy_gbps,
+        copy_samples=[s["torch_copy"] for s in samples], read_gbps=bw.get("read"),
+        write_gbps=bw.get("write"), stream_copy_gbps=bw.get("copy"), read_bytes=read_bytes,
+        write_bytes=write_bytes, ms_roof=ms_roof,
+        roof_frac=None if ms_roof is None else ms_roof / ms_kernel, n_sets=n_sets,
         cold=case.bytes * n_sets >= 2 * llc, check=check, check_compile=check_compile)
 
 
@@ -850,7 +862,7 @@ REMEASURE = 2       # ... is measured again, at most this many times, keeping it
 
 
 def remeasure_low_copy(records: List[dict], cases_run: List[Tuple["Case", bool]], args,
-                       llc: int, budget: Budget, probe: "CopyProbe", rounds: int,
+                       llc: int, budget: Budget, probe: StreamProbe, rounds: int,
                        meta: dict, budget_s: float = math.inf) -> None:
     """Measure again the cases whose window caught the VM in a low-bandwidth phase.
 
@@ -917,9 +929,11 @@ def probe_in_cache(records: List[dict], llc: int, budget: Budget, seed: int,
     """The kernel's rate with its data in cache, for every record at TARGET_TOKENS that misses
     its roofline target: the same op, model and dtype at the largest halving of T whose call
     moves at most IN_CACHE_LLC_FRACTION x LLC, one buffer set, so every call finds its inputs
-    in the cache. That rate is the kernel's compute alone; below TARGET_ROOF x `ref_copy` (the
-    run's reference copy bandwidth) the miss is a compute bound, not a memory one. Stored as
-    the record's `in_cache` (T, bytes, ms_kernel, gbps, compute_bound)."""
+    in the cache. That rate is the kernel's compute alone; when it stays below TARGET_ROOF of
+    the streaming roof of those bytes at the record's read and write bandwidths (records
+    without them: below TARGET_COPY x `ref_copy`, the run's reference copy bandwidth) the miss
+    is a compute bound, not a memory one. Stored as the record's `in_cache` (T, bytes,
+    ms_kernel, gbps, compute_bound)."""
     for r in roofline_misses(records):
         t = in_cache_tokens(r["op"], r["model"], r["dtype"], r["shape"]["T"],
                             int(IN_CACHE_LLC_FRACTION * llc))
@@ -928,8 +942,14 @@ def probe_in_cache(records: List[dict], llc: int, budget: Budget, seed: int,
         call = functools.partial(getattr(_C, case.op), *data.native_args)
         med, _ = time_interleaved({"kernel": [call]}, budget, None, 1)
         gbps = case.bytes / med["kernel"] / 1e9
+        if r.get("read_gbps") and r.get("write_gbps"):
+            rb, wb = roof.split_bytes(data.native_args, data.native_outputs)
+            bw = dict(read=r["read_gbps"], write=r["write_gbps"])
+            bound = roof.roof_seconds(rb, wb, bw) / med["kernel"] < TARGET_ROOF
+        else:
+            bound = gbps < TARGET_COPY * ref_copy
         r["in_cache"] = dict(T=t, bytes=case.bytes, ms_kernel=1e3 * med["kernel"], gbps=gbps,
-                             compute_bound=gbps < TARGET_ROOF * ref_copy)
+                             compute_bound=bound)
         print(f"in cache: {r['op']} {r['model']} {r['dtype']} T={t} "
               f"{case.bytes / 1e6:.2f} MB {gbps:.1f} GB/s"
               + (" (compute-bound)" if r["in_cache"]["compute_bound"] else ""))
