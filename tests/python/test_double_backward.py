@@ -223,29 +223,36 @@ def test_init_routing_double_backward(gen, kw, dtype):
 
 # --------------------------------------------------------------------------- grouped_mm ----
 
-def test_grouped_mm_double_backward(gen):
-    """moegrad.nn's grouped product: its backward is bilinear, its second order matches float64
-    autograd of x_e @ w_e (rows past sum(counts) zero)."""
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_grouped_mm_double_backward(gen, with_bias):
+    """moegrad.nn's grouped product: its backward is bilinear (the bias gradient linear), its
+    second order matches float64 autograd of x_e @ w_e (+ b_e) (rows past sum(counts) zero)."""
     from moegrad.nn.moe import _grouped_mm_op
     E, A, B = 3, 5, 4
     counts = torch.tensor([2, 0, 3])
     rows = 6  # one row past sum(counts)
     x = randn(gen, rows, A).requires_grad_()
     w = randn(gen, E, A, B).requires_grad_()
+    b = randn(gen, E, B).requires_grad_() if with_bias else None
     gy = upstream(gen, rows, B).requires_grad_()
-    seeds = [upstream(gen, rows, A), upstream(gen, E, A, B)]
-    out = _grouped_mm_op(x, w, counts)
-    _, got = _second_order(out, [x, w], gy, seeds, [x, w, gy])
+    params = [x, w] + ([b] if with_bias else [])
+    seeds = [upstream(gen, rows, A), upstream(gen, E, A, B)] + (
+        [upstream(gen, E, B)] if with_bias else [])
+    out = _grouped_mm_op(x, w, counts, b)
+    _, got = _second_order(out, params, gy, seeds, params + [gy])
 
     x64, w64, gy64 = _d64(x), _d64(w), _d64(gy)
+    b64 = _d64(b) if with_bias else None
     parts, start = [], 0
     for e, c in enumerate(counts.tolist()):
-        parts.append(x64[start:start + c] @ w64[e])
+        parts.append(x64[start:start + c] @ w64[e] + (b64[e] if with_bias else 0.0))
         start += c
     parts.append(torch.zeros(rows - start, B, dtype=F64))
-    _, want = _second_order(torch.cat(parts), [x64, w64], gy64, [s.double() for s in seeds],
-                            [x64, w64, gy64])
-    _check(got, want, ["d_x", "d_w", "d_gy"], n_reduce=A + B)
+    params64 = [x64, w64] + ([b64] if with_bias else [])
+    _, want = _second_order(torch.cat(parts), params64, gy64, [s.double() for s in seeds],
+                            params64 + [gy64])
+    names = ["d_x", "d_w"] + (["d_b"] if with_bias else []) + ["d_gy"]
+    _check(got, want, names, n_reduce=A + B + rows)
 
 
 # ------------------------------------------------------------------- permute / unpermute ----

@@ -59,7 +59,7 @@ def test_build_says_what_it_does_and_shows_progress():
                           ".venv/.installed", "build/cpp/.built"],
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    out = dry.stdout
+    out = re.sub(r"\\\n\s*", " ", dry.stdout)  # one line per command (continuations joined)
     install = [line for line in out.splitlines() if "pip install" in line and line.endswith(" .")]
     assert install, out
     assert " -v " in install[0] and " -q " not in install[0], install[0]

@@ -139,6 +139,7 @@ def _grouped_mm_setup(ctx, inputs, output):
     x, w, counts = inputs[:3]
     bias = inputs[3] if len(inputs) > 3 else None
     ctx.has_bias = bias is not None
+    ctx.n_inputs = len(inputs)  # torch drops a trailing default bias: one gradient per input
     ctx.save_for_backward(x, w, counts)
 
 
@@ -148,7 +149,8 @@ def _grouped_mm_bwd(ctx, grad):
     need_b = ctx.has_bias and len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]
     gx, gw, gb = _grouped_mm_backward_op(grad.contiguous(), x, w, counts, need_x, need_w,
                                          need_b)
-    return (gx if need_x else None), (gw if need_w else None), None, (gb if need_b else None)
+    grads = (gx if need_x else None), (gw if need_w else None), None, (gb if need_b else None)
+    return grads[:ctx.n_inputs]
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
@@ -157,28 +159,36 @@ _grouped_mm_op.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setu
 # Double backward (L152): the backward is bilinear (grad_x_e = g_e w_e^T, grad_w_e = x_e^T g_e),
 # so its gradients are again grouped products, through the two ops above (higher orders follow).
 def _grouped_mm_backward_setup(ctx, inputs, output):
-    grad, x, w, counts, need_x, need_w = inputs
-    ctx.need = (need_x, need_w)
+    grad, x, w, counts, need_x, need_w = inputs[:6]
+    ctx.need = (need_x, need_w, len(inputs) > 6 and inputs[6])
+    # One gradient per input as torch counts them: it drops a trailing need_b equal to its
+    # default (False), even one passed explicitly.
+    ctx.n_inputs = 7 if ctx.need[2] else 6
     ctx.save_for_backward(grad, x, w, counts)
 
 
 def _grouped_mm_backward_bwd(ctx, grads):
-    v_gx, v_gw = grads  # the op returns a list: its gradients come as one
+    v_gx, v_gw, v_gb = grads  # the op returns a list: its gradients come as one
     grad, x, w, counts = ctx.saved_tensors
-    need_x, need_w = ctx.need
+    need_x, need_w, need_b = ctx.need
     v_gx = v_gx if need_x else None
     v_gw = v_gw if need_w else None
+    v_gb = v_gb if need_b else None
     want = ctx.needs_input_grad
     d_grad = d_x = d_w = None
     if want[0]:
         parts = [_grouped_mm_op(v.contiguous(), m, counts)
                  for v, m in ((v_gx, w), (x, v_gw)) if v is not None and m is not None]
+        if v_gb is not None:  # grad_bias[e] sums expert e's rows of grad: each row gets v_gb[e]
+            sizes = _slices(counts, grad.shape[0])
+            per_row = torch.repeat_interleave(v_gb, torch.tensor(sizes[:-1]), dim=0)
+            parts.append(torch.cat([per_row, v_gb.new_zeros((sizes[-1], v_gb.shape[1]))]))
         d_grad = sum(parts[1:], parts[0]) if parts else None
     if want[1] and v_gw is not None:
         d_x = _grouped_mm_op(grad, v_gw.transpose(1, 2).contiguous(), counts)
     if want[2] and v_gx is not None:
         d_w = _grouped_mm_backward_op(grad, v_gx.contiguous(), w, counts, False, True)[1]
-    return d_grad, d_x, d_w, None, None, None
+    return (d_grad, d_x, d_w) + (None,) * (ctx.n_inputs - 3)
 
 
 _grouped_mm_backward_op.register_autograd(_grouped_mm_backward_bwd,
