@@ -2,8 +2,8 @@
 
 Every function takes and returns torch.Tensors, is a ``torch.library`` custom op in the
 namespace ``moegrad`` (``torch.ops.moegrad.<name>``, with a fake kernel for torch.compile), and
-raises :class:`MoeError` (``.code`` = aclnn status) on invalid input. The three forwards are
-differentiable through the three backward operators. Signatures: docs/operators.md §7.2;
+raises :class:`MoeError` (``.code`` = aclnn status) on invalid input. Every forward is
+differentiable through its backward operator. Signatures: docs/operators.md §7.2;
 semantics, shapes, dtypes and status codes: docs/operators.md; decisions: docs/decisions.md.
 """
 from __future__ import annotations
@@ -13,35 +13,12 @@ from ._errors import MoeError
 
 _C._set_error_class(MoeError)
 
-from .ops import (clipped_swiglu, clipped_swiglu_grad,  # noqa: E402
-                  moe_finalize_routing, moe_finalize_routing_grad, moe_gating_replay,
-                  moe_gating_top_k, moe_gating_top_k_backward, moe_init_routing,
-                  moe_init_routing_grad, swiglu_group, swiglu_group_quant,
-                  swiglu_group_quant_backward)
-from .ops import PermuteState, moe_permute, moe_unpermute  # noqa: E402
+from . import ops  # noqa: E402
+from .ops import *  # noqa: E402,F401,F403  (the public ops: their list is ops.__all__)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MoeError",
-    "moe_gating_top_k",
-    "moe_gating_top_k_backward",
-    "moe_gating_replay",
-    "moe_finalize_routing",
-    "moe_finalize_routing_grad",
-    "swiglu_group",
-    "swiglu_group_quant_backward",
-    "swiglu_group_quant",
-    "moe_init_routing",
-    "moe_init_routing_grad",
-    "moe_permute",
-    "moe_unpermute",
-    "PermuteState",
-    "clipped_swiglu",
-    "clipped_swiglu_grad",
-    "set_num_threads",
-    "get_num_threads",
-]
+__all__ = ["MoeError", *ops.__all__, "set_num_threads", "get_num_threads"]
 
 
 def set_num_threads(n: int) -> None:
