@@ -47,6 +47,8 @@ def memcheck() -> int:
             n += 1
         ex, ridx, counts = moegrad.moe_init_routing(x, idx, expert_num=E)
         moegrad.moe_init_routing_grad(ex, ridx, K)
+        pex, pidx, _, _ = moegrad.moe_init_routing(x, idx, expert_num=E, align_block=16)
+        moegrad.moe_init_routing_grad(pex, pidx, K, padded_rows=pex.shape[0])
         xs = rnd(R * K, 2 * H, dtype=dtype)
         h = moegrad.swiglu_group(xs, group_index=counts)
         moegrad.swiglu_group(misaligned(xs))

@@ -40,6 +40,7 @@ except ImportError as _e:  # pragma: no cover - exercised by a test with transfo
 import moegrad as _mg
 from moegrad._errors import ERR_PARAM_INVALID, MoeError
 from moegrad.nn import grouped_mm
+from moegrad.nn.moe import _grouped_mm_ok
 
 __all__ = ["IMPLEMENTATION", "Report", "Entry", "apply", "revert", "experts_forward"]
 
@@ -220,15 +221,21 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
     E, K = m.num_experts, idx.shape[1]
     has_bias = bool(getattr(m, "has_bias", False))
     rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
-    host = counts.cpu() if counts.is_cuda else None  # one sync serves all four GEMM passes
-    up = _expert_gemm(rows, _weight(m, "gate_up_proj"), counts, host,
+    w_up, w_down = _weight(m, "gate_up_proj"), _weight(m, "down_proj")
+    # CUDA: torch's grouped GEMM reads the sizes on the device (bf16, sm90+, no bias); where
+    # moegrad's grouped_mm serves a pass instead, one host copy of the sizes serves all four.
+    host = None
+    if counts.is_cuda and not (not has_bias and _grouped_mm_ok(rows, w_up)
+                               and _grouped_mm_ok(rows, w_down)):
+        host = counts.cpu()
+    up = _expert_gemm(rows, w_up, counts, host,
                       m.gate_up_proj_bias if has_bias else None)
     if plan.activation == "clipped_swiglu":
         act = _mg.clipped_swiglu(up, counts, alpha=plan.alpha, limit=plan.limit, bias=1.0,
                                  interleaved=True)
     else:
         act = _mg.swiglu_group(up, group_index=counts, clamp_limit=plan.clamp)
-    out = _expert_gemm(act, _weight(m, "down_proj"), counts, host, None)
+    out = _expert_gemm(act, w_down, counts, host, None)
     if has_bias:
         return _mg.moe_finalize_routing(out, row_idx, bias=m.down_proj_bias, scales=w,
                                         expert_idx=idx.to(torch.int32), drop_pad_mode=2, k=K)

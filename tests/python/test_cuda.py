@@ -447,6 +447,31 @@ def test_init_routing_matches_cpu_and_reference(kw, R, K, H, idx_dtype, rng):
     assert np.array_equal(ref.as_f64(host(got[0])).reshape(rex.shape), rex)
 
 
+@pytest.mark.parametrize("align", [2, 16, 128])
+@pytest.mark.parametrize("R,K,E,H", [(37, 4, 16, 64), (0, 2, 8, 8), (300, 8, 2048, 72),
+                                     (129, 1, 2, 259)])
+@pytest.mark.parametrize("window", [None, (3, 7)])
+def test_init_routing_aligned_blocks_match_cpu(align, R, K, E, H, window, rng):
+    """D36 on the device (no host copy): every output and the grad of the padded layout, bit for
+    bit against the CPU kernel; padding rows are zero."""
+    x = randn((R, H), torch.bfloat16, rng)
+    e = rand_expert_idx(R, K, E, rng, distinct=True)
+    kw = dict(expert_num=E, align_block=align)
+    if window is not None:
+        kw["active_expert_range"] = [min(window[0], E - 1), min(window[1], E)]
+    got = moegrad.moe_init_routing(cu(x), cu(e), **kw)
+    want = moegrad.moe_init_routing(x, e, **kw)
+    assert len(got) == len(want) == 4
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.is_cuda
+        assert g.shape == w.shape and g.dtype == w.dtype, f"output {i}"
+        assert bitwise_equal(g, w), f"output {i} differs from the CPU"
+    g = randn(tuple(want[0].shape), torch.bfloat16, rng)
+    rows = want[0].shape[0]
+    gx = moegrad.moe_init_routing_grad(cu(g), got[1], K, padded_rows=rows)
+    assert bitwise_equal(gx, moegrad.moe_init_routing_grad(g, want[1], K, padded_rows=rows))
+
+
 @pytest.mark.parametrize("mode,active", [(0, 0), (0, 50), (1, 0)])
 @dtype_params
 def test_init_routing_grad_matches_cpu_and_reference(mode, active, dtype, rng):

@@ -44,14 +44,6 @@ def _moe_init_routing(x: Tensor, expert_idx: Tensor, active_num: int = 0,
     argument positional, active_expert_range a list; a fourth output, padded_offsets ([0]
     unless align_block > 1). Public function: moe_init_routing.
     """
-    if x.is_cuda and align_block > 1:
-        # ---- aligned blocks (D36) are computed on the CPU for CUDA tensors (synchronises, not
-        # capturable in a CUDA graph; docs/operators.md §8.13) ----
-        outs = _moe_init_routing(x.cpu(), expert_idx.cpu(), active_num, expert_capacity,
-                                 expert_num, drop_pad_mode, expert_tokens_num_type,
-                                 expert_tokens_num_flag, active_expert_range, row_idx_type,
-                                 align_block)
-        return tuple(t.to(x.device) for t in outs)
     x, eidx = x.contiguous(), expert_idx.contiguous()
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,
                                                       expert_tokens_num_flag)

@@ -64,10 +64,6 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
                                  {"expanded_row_idx", with_outputs ? idx : nullptr},
                                  {"expert_tokens_count_or_cumsum", tok},
                                  {"padded_offsets", off}});
-  // D36: the aligned layout has a CPU kernel only (the Python front computes it there).
-  v.check(!aligned || p.backend == Backend::kCPU, kErrParamInvalid, "align_block",
-          "aligned blocks (align_block > 1) are computed for host tensors only; got ",
-          a.align_block, " with tensors on ", backend_name(p.backend));
   v.contiguous(*x, "x");
   v.contiguous(*eidx, "expert_idx");
   if (with_outputs) {

@@ -321,7 +321,7 @@ void init_routing_cpu(const InitRoutingPlan& p, const Workspace& ws, void*) {
       int64_t at = 0;
       for (int64_t b = 0; b < bins; ++b) {
         poff[b] = static_cast<int32_t>(at);
-        at += (starts[b + 1] - starts[b] + p.align - 1) / p.align * p.align;
+        at += init_routing_formula::padded_block_rows(starts[b + 1] - starts[b], p.align);
       }
       poff[bins] = static_cast<int32_t>(at);
     }

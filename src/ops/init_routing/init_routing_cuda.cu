@@ -6,8 +6,9 @@
 // invalid device ids) in slot order (L32). Each expert's first sorted position comes by binary
 // search. Then, all on the caller's stream and without a host synchronisation: expanded_row_idx
 // (one thread per sorted position), expanded_x (one block per expanded row, bit copies of x rows
-// with four 16-byte loads in flight per thread, zero rows where no slot lands, D27) and the
-// expert token counts in their three encodings (one block). Destination rows, the drop-pad
+// with four 16-byte loads in flight per thread, zero rows where no slot lands, D27), the aligned
+// block starts (D36, one block's scan, before both) and the expert token counts in their three
+// encodings (one block). Destination rows, the drop-pad
 // capacity and the count encodings are init_routing_formula.h, the CPU's definitions.
 // Grad: one block per token, the fp32 sum of its valid rows in k order from +0, the CPU's
 // operations in the CPU's order (no FMA): the same bits.
@@ -31,8 +32,10 @@ constexpr int kUnroll = 4;  // 16-byte loads in flight per thread in the row cop
 
 // expanded_row_idx. Gather (type 0): idx[slot] = its destination row, -1 outside the window or
 // past the capacity (D25). Scatter (type 1): idx[d] = the slot at sorted position d (L32).
+// poff: the aligned block starts (D36, align > 1), else null.
 __global__ void row_idx_kernel(SortedSlots s, int64_t n, uint32_t in_limit, bool window_all,
-                               bool gather, bool drop_pad, int64_t cap, int32_t* __restrict__ idx) {
+                               bool gather, bool drop_pad, int64_t cap,
+                               const int32_t* __restrict__ poff, int32_t* __restrict__ idx) {
   for (int64_t d = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; d < n;
        d += int64_t{gridDim.x} * blockDim.x) {
     const int32_t slot = s.slots[d];
@@ -44,7 +47,9 @@ __global__ void row_idx_kernel(SortedSlots s, int64_t n, uint32_t in_limit, bool
     int32_t row = -1;
     if (key < in_limit) {
       const int64_t b = window_all ? 0 : key;
-      row = irf::dest_row(d, b, window_all ? 0 : s.starts[b], drop_pad, cap);
+      const int64_t start = window_all ? 0 : s.starts[b];
+      row = poff ? static_cast<int32_t>(poff[b] + (d - start))
+                 : irf::dest_row(d, b, start, drop_pad, cap);
     }
     idx[slot] = row;
   }
@@ -81,6 +86,7 @@ struct CopyParams {
   const unsigned char* x;
   unsigned char* ex;
   SortedSlots s;
+  const int32_t* poff;  // D36 aligned block starts, or null
   int64_t rows, K, row_bytes, cap, sort_bins;
   bool drop_pad, vec;
 };
@@ -89,8 +95,9 @@ struct CopyParams {
 __global__ void __launch_bounds__(kThreads) copy_rows_kernel(CopyParams p) {
   const int64_t n_act = p.s.starts[p.sort_bins];  // slots in the window
   for (int64_t j = blockIdx.x; j < p.rows; j += gridDim.x) {
-    const int64_t d = p.drop_pad ? irf::drop_pad_source(j, p.cap, p.s.starts)
-                                 : (j < n_act ? j : -1);
+    const int64_t d = p.poff       ? irf::aligned_source(j, p.sort_bins, p.poff, p.s.starts)
+                      : p.drop_pad ? irf::drop_pad_source(j, p.cap, p.s.starts)
+                                   : (j < n_act ? j : -1);
     const unsigned char* src = nullptr;
     if (d >= 0) src = p.x + static_cast<int64_t>(p.s.slots[d] / p.K) * p.row_bytes;
     unsigned char* dst = p.ex + j * p.row_bytes;
@@ -137,6 +144,36 @@ __global__ void __launch_bounds__(kTokThreads)
     __syncthreads();
   }
   for (int64_t r = base + threadIdx.x; r < E; r += kTokThreads) out[2 * r] = out[2 * r + 1] = 0;
+}
+
+// D36 aligned blocks: each expert's block rounded up to a multiple of align, the starts by a
+// block-wide exclusive scan (int32 for the kernels, int64 for the padded_offsets output).
+__global__ void __launch_bounds__(kTokThreads)
+    padded_offsets_kernel(const int32_t* __restrict__ starts, int64_t bins, int64_t align,
+                          int32_t* __restrict__ poff, int64_t* __restrict__ out) {
+  using Scan = cub::BlockScan<int64_t, kTokThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int64_t base;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int64_t b0 = 0; b0 < bins; b0 += kTokThreads) {
+    const int64_t b = b0 + threadIdx.x;
+    const int64_t c =
+        b < bins ? irf::padded_block_rows(int64_t{starts[b + 1]} - starts[b], align) : 0;
+    int64_t pos, total;
+    Scan(tmp).ExclusiveSum(c, pos, total);
+    if (b < bins) {
+      poff[b] = static_cast<int32_t>(base + pos);
+      out[b] = base + pos;
+    }
+    __syncthreads();  // every thread has read base and tmp
+    if (threadIdx.x == 0) base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    poff[bins] = static_cast<int32_t>(base);
+    out[bins] = base;
+  }
 }
 
 // ---- grad ----
@@ -223,6 +260,7 @@ void init_routing_cuda_size(InitRoutingPlan& plan, WorkspaceLayout& layout) {
   cuda::SlotSort s = routing_sort(plan);
   cuda::slot_sort_size(plan.op, plan.device_id, s, layout);
   plan.cuda_sort = s;
+  plan.ws_poff = layout.add<int32_t>(plan.align > 1 ? s.bins + 1 : 0);
 }
 
 void init_routing_cuda(const InitRoutingPlan& plan, const Workspace& ws, void* stream) {
@@ -233,16 +271,24 @@ void init_routing_cuda(const InitRoutingPlan& plan, const Workspace& ws, void* s
   const SortedSlots s = slot_sort_run(plan.op, so, plan.expert_idx, ws, st);
   const int64_t N = so.n;
   const bool drop_pad = plan.mode == 1;
+  // D36: aligned blocks (validation: dropless, E known, so the window has bins = hi - lo).
+  int32_t* poff = nullptr;
+  if (plan.align > 1) {
+    poff = ws.get<int32_t>(plan.ws_poff);
+    padded_offsets_kernel<<<1, kTokThreads, 0, st>>>(
+        s.starts, so.bins, plan.align, poff, static_cast<int64_t*>(plan.padded_offsets.data));
+  }
   if (N > 0) {
     row_idx_kernel<<<grid_blocks(N, 256), 256, 0, st>>>(
         s, N, so.in_limit, plan.window_all, plan.row_idx_type == 0, drop_pad, plan.capacity,
-        static_cast<int32_t*>(plan.expanded_row_idx.data));
+        poff, static_cast<int32_t*>(plan.expanded_row_idx.data));
   }
   if (plan.rows > 0) {
     CopyParams c;
     c.x = static_cast<const unsigned char*>(plan.x.data);
     c.ex = static_cast<unsigned char*>(plan.expanded_x.data);
     c.s = s;
+    c.poff = poff;
     c.rows = plan.rows;
     c.K = plan.K;
     c.row_bytes = plan.H * dtype_size(plan.x.dtype);

@@ -1,7 +1,7 @@
 // The scalar init-routing math that the CPU and CUDA kernels share, one definition compiled for
 // both (MOEGRAD_HD: __host__ __device__ under nvcc, inline otherwise): the destination row of a
 // sorted slot (dropless, drop-pad capacity, D25-D27), the three encodings of the expert token
-// counts (D26) and the grad's row test (D29). docs/operators.md §8.5, §8.8, §8.9.
+// counts (D26), the aligned-block layout (D36) and the grad's row test (D29). docs/operators.md §8.5, §8.8, §8.9.
 #ifndef MOEGRAD_OPS_INIT_ROUTING_INIT_ROUTING_FORMULA_H_
 #define MOEGRAD_OPS_INIT_ROUTING_INIT_ROUTING_FORMULA_H_
 
@@ -33,6 +33,32 @@ MOEGRAD_HD int64_t drop_pad_source(int64_t j, int64_t cap, const int32_t* starts
 // of the non-empty bins only.
 MOEGRAD_HD int64_t token_value(int64_t type, int64_t start, int64_t end) {
   return type == 0 ? end : end - start;
+}
+
+// D36 aligned blocks: the rows an expert block of `count` slots takes, rounded up to a multiple
+// of align.
+MOEGRAD_HD int64_t padded_block_rows(int64_t count, int64_t align) {
+  return (count + align - 1) / align * align;
+}
+
+// D36 aligned blocks: the sorted position whose row is expanded row j, or -1 (a padding row,
+// +0.0). poff[0..bins] are the padded block starts (poff[bins]: the end of the last block),
+// starts[0..bins] the experts' first sorted positions; j in block b = the last b with
+// poff[b] <= j (binary search).
+MOEGRAD_HD int64_t aligned_source(int64_t j, int64_t bins, const int32_t* poff,
+                                  const int32_t* starts) {
+  if (j >= poff[bins]) return -1;
+  int64_t lo = 0, hi = bins;  // poff[lo] <= j < poff[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (poff[mid] <= j) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const int64_t q = j - poff[lo];
+  return q < starts[lo + 1] - starts[lo] ? starts[lo] + q : -1;
 }
 
 // The grad reads the expanded row d of a slot when it lies in [0, rows): -1 (dropped, outside
