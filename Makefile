@@ -14,7 +14,7 @@ CPP_TEST_SOURCES := $(shell find tests/cpp tests/consumer examples -type f 2>/de
 # show them (docs/decisions.md L63).
 WERROR := $(if $(filter true 1 yes,$(CI)),ON,OFF)
 # CUDA architectures of the package and C++ test builds (empty: CMakeLists.txt's list; .ci/run
-# compiles one, L212).
+# leaves out the PTX, L212).
 CUDA_ARCHS ?=
 
 .PHONY: demo demo-ep test test-python test-cpp cpp-build bench setup clean fuzz fuzz-build test-asan
