@@ -32,7 +32,10 @@ from .report import progress
 # ------------------------------------------------------------------------- plain PyTorch --
 class TorchMoELayer(torch.nn.Module):
     """The same layer written the usual way: router, argsort permutation, a GEMM per expert,
-    SwiGLU, index_add combine. Parameters are shared with (views of) the moegrad layer's."""
+    SwiGLU, index_add combine. Parameters are shared with (views of) the moegrad layer's.
+    A layer built with activation="clipped_swiglu" is written as transformers' GPT-OSS block:
+    router linear with bias, softmax over the top-k logits, expert biases, the interleaved
+    clipped SwiGLU (alpha, limit, +offset)."""
 
     def __init__(self, m: MoE):
         super().__init__()
@@ -40,6 +43,8 @@ class TorchMoELayer(torch.nn.Module):
 
     def forward(self, x):
         m = self.m
+        if m.activation == "clipped_swiglu":
+            return self._gpt_oss(x)
         T, E, K, Fh = x.shape[0], m.num_experts, m.top_k, m.ffn_hidden
         logits = F.linear(x, m.gate).float()
         s = torch.sigmoid(logits)
@@ -61,6 +66,25 @@ class TorchMoELayer(torch.nn.Module):
         up = torch.cat([r @ m.w_up[e] for e, r in enumerate(rows.split(sizes))])
         act = F.silu(up[:, :Fh]) * up[:, Fh:]
         down = torch.cat([a @ m.w_down[e] for e, a in enumerate(act.split(sizes))])
+        scale = w.reshape(-1)[order].to(down.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, down * scale[:, None])
+
+    def _gpt_oss(self, x):
+        m = self.m
+        E, K, lim = m.num_experts, m.top_k, m.swiglu_limit
+        logits = F.linear(x, m.gate, m.gate_bias).float()
+        top_v, idx = logits.topk(K, dim=-1)
+        w = torch.softmax(top_v, dim=-1)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // K
+        sizes = torch.bincount(flat, minlength=E).tolist()
+        rows = x[tok]
+        up = torch.cat([r @ m.w_up[e] + m.b_up[e] for e, r in enumerate(rows.split(sizes))])
+        gate, lin = up[:, ::2].clamp(max=lim), up[:, 1::2].clamp(-lim, lim)
+        act = (lin + m.swiglu_offset) * (gate * torch.sigmoid(gate * m.swiglu_alpha))
+        down = torch.cat([a @ m.w_down[e] + m.b_down[e]
+                          for e, a in enumerate(act.split(sizes))])
         scale = w.reshape(-1)[order].to(down.dtype)
         return torch.zeros_like(x).index_add_(0, tok, down * scale[:, None])
 
@@ -161,11 +185,25 @@ def _peak_bytes(fn: Callable[[], None], device: str) -> int:
     return _cpu_peak_bytes(fn)
 
 
+def make_layer(arch: str, H, F_, E, K) -> MoE:
+    """The benchmarked layer: DeepSeek-V3 style (sigmoid scores, 8 groups with 4 kept when E
+    allows, scaling 2.5, SwiGLU) or GPT-OSS (router bias, softmax over the top-k logits, expert
+    biases, the interleaved clipped SwiGLU with alpha 1.702, limit 7, +1)."""
+    if arch == "gpt_oss":
+        m = MoE(H, F_, E, K, score="softmax", activation="clipped_swiglu", expert_bias=True,
+                router_bias=True)
+        with torch.no_grad():  # transformers starts biases at zero; nonzero ones cost the same
+            for b in (m.b_up, m.b_down, m.gate_bias):
+                b.normal_(0.0, 0.1)
+        return m
+    return MoE(H, F_, E, K, score="sigmoid", n_group=8 if E % 8 == 0 else 1,
+               topk_group=4 if E % 8 == 0 else 1, routed_scaling_factor=2.5)
+
+
 def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=0,
-               losses=False) -> Dict:
+               losses=False, arch="deepseek_v3") -> Dict:
     torch.manual_seed(seed)
-    m = MoE(H, F_, E, K, score="sigmoid", n_group=8 if E % 8 == 0 else 1,
-            topk_group=4 if E % 8 == 0 else 1, routed_scaling_factor=2.5).to(device, dtype)
+    m = make_layer(arch, H, F_, E, K).to(device, dtype)
     ref = TorchMoELayer(m)
     x = torch.randn(T, H, device=device, dtype=dtype)
     g = torch.randn(T, H, device=device, dtype=dtype)
@@ -181,8 +219,8 @@ def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=
     impls = {"moegrad": step(m), "eager": step(ref)}
     if compile_baseline:
         impls["compile"] = step(torch.compile(ref))
-    res: Dict = dict(H=H, F=F_, E=E, K=K, T=T, dtype=str(dtype).replace("torch.", ""),
-                     device=device)
+    res: Dict = dict(arch=arch, H=H, F=F_, E=E, K=K, T=T,
+                     dtype=str(dtype).replace("torch.", ""), device=device)
     for name, fn in impls.items():
         res[f"{name}_ms"] = _time(fn, reps, sync) * 1e3
     # Expert GEMMs alone, same routing: forward + backward of up and down projections.
@@ -230,7 +268,7 @@ def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=
     # above cannot resolve in fp32: there the GEMMs are ~90 % of the step and their run-to-run
     # spread exceeds the whole non-GEMM part. The router's GEMMs count as non-GEMM work.
     if device == "cpu":
-        router = {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
+        router = {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H)), ((E,), (T, H))}
         for name, fn in impls.items():
             sp = _in_step_split(fn, reps, router)
             res[f"{name}_in_step_gemm_ms"] = sp["gemm_ms"]
@@ -248,7 +286,8 @@ def run_config(H, F_, E, K, T, dtype, device, reps, compile_baseline=True, seed=
 
 
 def _fmt(r: Dict) -> str:
-    parts = [f"{r['dtype']:<8} T={r['T']:<5} H={r['H']} F={r['F']} E={r['E']} K={r['K']}:",
+    parts = [f"{r.get('arch', 'deepseek_v3')} {r['dtype']:<8} T={r['T']:<5} H={r['H']} "
+             f"F={r['F']} E={r['E']} K={r['K']}:",
              f"moegrad {r['moegrad_ms']:8.2f} ms (non-GEMM {r['moegrad_non_gemm_ms']:7.2f})",
              f"eager {r['eager_ms']:8.2f} ms (non-GEMM {r['eager_non_gemm_ms']:7.2f})"]
     if "compile_ms" in r:
@@ -271,10 +310,14 @@ def main(argv: List[str]) -> int:
                                 description="Time one forward + backward of moegrad.nn.MoE "
                                             "against plain PyTorch (eager, torch.compile).")
     p.add_argument("--layer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--arch", choices=("deepseek_v3", "gpt_oss"), default="deepseek_v3",
+                   help="the layer's routing and experts (default deepseek_v3: sigmoid, grouped "
+                        "top-k, SwiGLU; gpt_oss: router bias, softmax over the top-k, expert "
+                        "biases, clipped SwiGLU)")
     p.add_argument("--hidden", type=int, default=None, help="H (default 1024)")
     p.add_argument("--ffn", type=int, default=None, help="F per expert (default 512)")
-    p.add_argument("--experts", type=int, default=None, help="E (default 64)")
-    p.add_argument("--top-k", type=int, default=None, help="K (default 6)")
+    p.add_argument("--experts", type=int, default=None, help="E (default 64; gpt_oss 32)")
+    p.add_argument("--top-k", type=int, default=None, help="K (default 6; gpt_oss 4)")
     p.add_argument("--tokens", type=int, default=None, help="T (default 4096)")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -288,6 +331,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     sizes = (128, 64, 16, 4, 256, 2) if a.quick else (1024, 512, 64, 6, 4096, 5)
+    if a.arch == "gpt_oss" and not a.quick:
+        sizes = (1024, 512, 32, 4, 4096, 5)
     for name, v in zip(("hidden", "ffn", "experts", "top_k", "tokens", "reps"), sizes):
         if getattr(a, name) is None:
             setattr(a, name, v)
@@ -299,10 +344,11 @@ def main(argv: List[str]) -> int:
         records = []
         names, t_start = a.dtypes.split(","), time.time()
         for number, name in enumerate(names):
-            progress(number, len(names), f"layer {name} H={a.hidden} F={a.ffn} E={a.experts} "
-                     f"K={a.top_k} T={a.tokens}", t_start)
+            progress(number, len(names), f"layer {a.arch} {name} H={a.hidden} F={a.ffn} "
+                     f"E={a.experts} K={a.top_k} T={a.tokens}", t_start)
             r = run_config(a.hidden, a.ffn, a.experts, a.top_k, a.tokens, dts[name], a.device,
-                           a.reps, compile_baseline=not a.no_compile, losses=a.losses)
+                           a.reps, compile_baseline=not a.no_compile, losses=a.losses,
+                           arch=a.arch)
             records.append(r)
             print(_fmt(r))
             sys.stdout.flush()
