@@ -92,7 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="threads for moegrad, eager and compile (default: available cores)")
     p.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS),
-                   help="comma-separated operator names (default: all six)")
+                   help="comma-separated operator names (default: all of them)")
     p.add_argument("--models", type=lambda s: s.split(","), default=None,
                    help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
