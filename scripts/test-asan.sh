@@ -15,8 +15,8 @@ STEPS=" ${ASAN_STEPS:-build cpp python} "
 PYTEST_JOBS=${PYTEST_JOBS:-$JOBS}
 
 # -O2 plus the sanitizers' -g1 (CMakeLists.txt). No CUDA sources: nvcc takes no sanitizer, the
-# CUDA kernels are checked with compute-sanitizer. One Highway SIMD target (AVX-512, with the
-# portable baseline): the plain C++ suite tests every target (L108, L211).
+# CUDA kernels are checked with compute-sanitizer. One Highway SIMD target (AVX-512, over an
+# SSE4 baseline): the plain C++ suite tests every target (L108, L211).
 if [[ $STEPS == *" build "* ]]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEGRAD_WITH_CUDA=OFF \
     -DMOEGRAD_HWY_ONE_TARGET=ON -DMOEGRAD_SANITIZE=address,undefined -DMOEGRAD_BUILD_TESTS=ON \
