@@ -176,6 +176,25 @@ def test_checkpoint_recomputation_replays_and_counts_once(seed):
     assert ck.a.tokens_per_expert.sum() == 20 * K
 
 
+@pytest.mark.parametrize("where", ["checkpoint inside the compiled model",
+                                   "eager checkpoint of a compiled layer"])
+def test_load_counted_once_with_compile_and_checkpoint(where, seed):
+    """tokens_per_expert counts each token once per step with torch.compile and activation
+    checkpointing in either nesting (L187)."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    x = torch.randn(20, H)
+    if where.startswith("checkpoint inside"):
+        model = Block(ckpt=True)
+        out = torch.compile(model, backend="aot_eager")(x)
+    else:
+        model = Block()
+        out = checkpoint(torch.compile(model.a, backend="aot_eager"), x, use_reentrant=False)
+    (out * torch.randn_like(out)).sum().backward()
+    assert model.a.tokens_per_expert.sum().item() == 20 * K
+    assert torch.equal(model.a.tokens_per_expert, model.a.last_load.float())
+
+
 def test_replay_under_torch_compile(seed):
     torch.manual_seed(seed)
     a = Block(score="softmax")

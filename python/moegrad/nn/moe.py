@@ -325,6 +325,21 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@torch.library.custom_op("moegrad::_accumulate_load", mutates_args=("total",))
+def _accumulate_load(total: Tensor, counts: Tensor) -> None:
+    """total += counts (the layer's tokens_per_expert), except inside a backward: an activation-
+    checkpoint recomputation counts nothing (L187). Decided when the kernel runs, so a compiled
+    layer that an eager checkpoint recomputes in backward counts nothing either (the graph
+    itself cannot ask, _recomputing)."""
+    if torch._C._current_graph_task_id() == -1:
+        total.add_(counts.to(total.dtype))
+
+
+@_accumulate_load.register_fake
+def _(total, counts):
+    return None
+
+
 # -------------------------------------------------------------------------------- the layer --
 class MoE(nn.Module):
     """A routed-expert SwiGLU feed-forward layer.
@@ -670,8 +685,7 @@ class MoE(nn.Module):
         if not recomputing:
             self.last_load = counts.detach()
             if self.training:
-                with torch.no_grad():
-                    self.tokens_per_expert += counts.float()
+                _accumulate_load(self.tokens_per_expert, counts.detach())
         # Scores normalised to sum 1 per token: the P of both score-based losses.
         p = None if scores is None else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
         self.aux_loss = self._switch_loss(p, counts, T) if p is not None and \
