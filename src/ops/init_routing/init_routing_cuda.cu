@@ -111,10 +111,34 @@ __global__ void __launch_bounds__(kThreads) copy_rows_kernel(CopyParams p) {
   }
 }
 
-// Token counts: types 0 and 1 one value per bin; type 2 (id, count) for the non-empty bins in
-// ascending order (a block-wide exclusive scan of the non-empty flags places them), then (0, 0)
-// rows up to E (D26, D27).
 constexpr int kTokThreads = 256;
+
+// One block's running exclusive scan over the bins, kTokThreads at a time: emit(b, v, offset)
+// for every bin b with v = value(b) and offset = the sum of value over the bins before it.
+// Returns the total (in every thread).
+template <class Value, class Emit>
+__device__ __forceinline__ int64_t scan_bins(int64_t bins, Value value, Emit emit) {
+  using Scan = cub::BlockScan<int64_t, kTokThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int64_t base;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int64_t b0 = 0; b0 < bins; b0 += kTokThreads) {
+    const int64_t b = b0 + threadIdx.x;
+    const int64_t v = b < bins ? value(b) : 0;
+    int64_t pos, total;
+    Scan(tmp).ExclusiveSum(v, pos, total);
+    if (b < bins) emit(b, v, base + pos);
+    __syncthreads();  // every thread has read base and tmp
+    if (threadIdx.x == 0) base += total;
+    __syncthreads();
+  }
+  return base;
+}
+
+// Token counts: types 0 and 1 one value per bin; type 2 (id, count) for the non-empty bins in
+// ascending order (a scan of the non-empty flags places them), then (0, 0) rows up to E (D26,
+// D27).
 template <typename C>
 __global__ void __launch_bounds__(kTokThreads)
     tokens_kernel(const int32_t* __restrict__ starts, int64_t bins, int64_t lo, int64_t E,
@@ -125,25 +149,14 @@ __global__ void __launch_bounds__(kTokThreads)
     }
     return;
   }
-  using Scan = cub::BlockScan<int64_t, kTokThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  __shared__ int64_t base;
-  if (threadIdx.x == 0) base = 0;
-  __syncthreads();
-  for (int64_t b0 = 0; b0 < bins; b0 += kTokThreads) {
-    const int64_t b = b0 + threadIdx.x;
-    const int64_t c = b < bins ? int64_t{starts[b + 1]} - starts[b] : 0;
-    int64_t pos, total;
-    Scan(tmp).ExclusiveSum(c > 0 ? int64_t{1} : int64_t{0}, pos, total);
-    if (c > 0) {
-      out[2 * (base + pos)] = static_cast<C>(lo + b);
-      out[2 * (base + pos) + 1] = static_cast<C>(c);
-    }
-    __syncthreads();  // every thread has read base and tmp
-    if (threadIdx.x == 0) base += total;
-    __syncthreads();
-  }
-  for (int64_t r = base + threadIdx.x; r < E; r += kTokThreads) out[2 * r] = out[2 * r + 1] = 0;
+  const int64_t used = scan_bins(
+      bins, [&](int64_t b) { return int64_t{starts[b + 1] > starts[b]}; },
+      [&](int64_t b, int64_t v, int64_t at) {
+        if (v == 0) return;
+        out[2 * at] = static_cast<C>(lo + b);
+        out[2 * at + 1] = static_cast<C>(int64_t{starts[b + 1]} - starts[b]);
+      });
+  for (int64_t r = used + threadIdx.x; r < E; r += kTokThreads) out[2 * r] = out[2 * r + 1] = 0;
 }
 
 // D36 aligned blocks: each expert's block rounded up to a multiple of align, the starts by a
@@ -151,28 +164,18 @@ __global__ void __launch_bounds__(kTokThreads)
 __global__ void __launch_bounds__(kTokThreads)
     padded_offsets_kernel(const int32_t* __restrict__ starts, int64_t bins, int64_t align,
                           int32_t* __restrict__ poff, int64_t* __restrict__ out) {
-  using Scan = cub::BlockScan<int64_t, kTokThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  __shared__ int64_t base;
-  if (threadIdx.x == 0) base = 0;
-  __syncthreads();
-  for (int64_t b0 = 0; b0 < bins; b0 += kTokThreads) {
-    const int64_t b = b0 + threadIdx.x;
-    const int64_t c =
-        b < bins ? irf::padded_block_rows(int64_t{starts[b + 1]} - starts[b], align) : 0;
-    int64_t pos, total;
-    Scan(tmp).ExclusiveSum(c, pos, total);
-    if (b < bins) {
-      poff[b] = static_cast<int32_t>(base + pos);
-      out[b] = base + pos;
-    }
-    __syncthreads();  // every thread has read base and tmp
-    if (threadIdx.x == 0) base += total;
-    __syncthreads();
-  }
+  const int64_t end = scan_bins(
+      bins,
+      [&](int64_t b) {
+        return irf::padded_block_rows(int64_t{starts[b + 1]} - starts[b], align);
+      },
+      [&](int64_t b, int64_t, int64_t at) {
+        poff[b] = static_cast<int32_t>(at);
+        out[b] = at;
+      });
   if (threadIdx.x == 0) {
-    poff[bins] = static_cast<int32_t>(base);
-    out[bins] = base;
+    poff[bins] = static_cast<int32_t>(end);
+    out[bins] = end;
   }
 }
 
