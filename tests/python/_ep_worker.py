@@ -4,6 +4,7 @@ Reads DIR/case.pt (layer config, full state dict, global input, upstream gradien
 runs moegrad.nn.MoE with ep_group = the gloo world on its share of the tokens, all-reduces the
 non-expert gradients and writes DIR/rank{RANK}.pt (outputs and gradients).
 """
+import os
 import sys
 
 import torch
@@ -23,6 +24,18 @@ def rank_layer(c, rank, **kwargs):
         sd[n] = sd[n][rank * El:(rank + 1) * El]
     m.load_state_dict(sd)
     return m, c["splits"][rank], c["splits"][rank + 1]
+
+
+def finish():
+    """Ends the rank once its results are on disk: a barrier (every rank is done with the
+    group), then an immediate exit. A gloo process group torn down by destroy_process_group and
+    the interpreter's exit while the peer is doing the same aborted a rank in one CI run
+    ("terminate called without an active exception", exit -6) under load; the exit skips that
+    teardown, there being nothing left to release but the process itself."""
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main():
@@ -46,7 +59,7 @@ def main():
                             bias=m.selection_bias.clone(),
                             aux=None if m.aux_loss is None else m.aux_loss.detach()))
     torch.save(results, f"{d}/rank{rank}.pt")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import moegrad  # noqa: F401
 from moegrad.nn import MoE, RoutingReplay, all_reduce_non_expert_grads
 
-from _ep_worker import rank_layer  # the script's folder is on sys.path
+from _ep_worker import finish, rank_layer  # the script's folder is on sys.path
 
 
 def main():
@@ -38,7 +38,7 @@ def main():
     out.update(aux=g.aux_loss.detach(), aux_idx=g.last_expert_idx.clone(),
                aux_gate_grad=g.gate.grad)
     torch.save(out, f"{d}/rank{rank}.pt")
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
