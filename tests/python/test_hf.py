@@ -238,12 +238,32 @@ def _call(block, x):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _token_abs_sums(blk, x, g):
+    """Per parameter, elementwise, the sum over tokens of |that token's gradient| (fp32 block,
+    one token at a time): the magnitude of the terms that a parameter gradient sums. Where they
+    cancel (a router bias: each token's logit gradients sum to about zero) the rounding of the
+    terms, not the result's size, sets the error."""
+    H = x.shape[-1]
+    sums = {}
+    for xt, gt in zip(x.reshape(-1, H), g.reshape(-1, H)):
+        blk.zero_grad(set_to_none=True)
+        _call(blk, xt.view(1, 1, H).float()).backward(gt.view(1, 1, H).float())
+        for n, p in blk.named_parameters():
+            if p.grad is not None:
+                sums[n] = sums.get(n, 0) + p.grad.abs()
+    blk.zero_grad(set_to_none=True)
+    return sums
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_block_matches_eager(arch, rng):
     """bf16 block, patched and eager, each against the same block in fp32 (eager, the bf16
     weights widened): the patched block's error is within 4 bf16 ulps (2^-6) of each tensor's
     magnitude, or at most twice the eager bf16 block's own error where that is larger (the
-    DeepSeek-V4 eager router rounds its scores and renormalisation to bf16)."""
+    DeepSeek-V4 eager router rounds its scores and renormalisation to bf16); a parameter
+    gradient element may also be off by 2^-7 of the sum of its per-token terms' magnitudes
+    (about two bf16 roundings of each term: a sum of cancelling terms, such as a router bias's,
+    is otherwise judged by the size of what is left)."""
     model = _build(arch, dtype=torch.bfloat16)
     i, ref = _moe_block(model)
     wide = copy.deepcopy(ref).float()
@@ -270,12 +290,19 @@ def test_bf16_block_matches_eager(arch, rng):
     assert all(torch.equal(a, b) for a, b in zip(sel32, sel_pat))
     tol = 4 * 2.0 ** -8
     assert set(t32) == set(t_pat) == set(t_ref)
+    terms = _token_abs_sums(wide, x, g)
     for name, truth in t32.items():
         scale = truth.abs().max().item()
-        err_pat = (t_pat[name] - truth).abs().max().item()
+        err = (t_pat[name] - truth).abs()
+        err_pat = err.max().item()
         err_ref = (t_ref[name] - truth).abs().max().item()
-        assert err_pat <= max(tol * scale, 2 * err_ref), \
-            f"{arch} {name}: {err_pat:.3e} vs eager bf16 {err_ref:.3e}, scale {scale:.3e}"
+        allowed = torch.full_like(err, max(tol * scale, 2 * err_ref))
+        if name in terms:
+            allowed = torch.maximum(allowed, 2.0 ** -7 * terms[name])
+        worst = int((err - allowed).argmax())
+        assert bool((err <= allowed).all()), \
+            (f"{arch} {name}: {err_pat:.3e} vs eager bf16 {err_ref:.3e}, scale {scale:.3e}; "
+             f"element {worst}: {err.flatten()[worst]:.3e} > {allowed.flatten()[worst]:.3e}")
 
 
 # ---------------------------------------------------------------------------- compile -------
