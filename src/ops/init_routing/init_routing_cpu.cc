@@ -103,21 +103,13 @@ void InitRoutingCopyRows(const InitRoutingPlan& p, const int32_t* sorted, const 
   unsigned char* ex = static_cast<unsigned char*>(p.expanded_x.data);
   const bool nt = stream_output(mul_sat(p.rows, static_cast<int64_t>(rb)));
   if (poff) {
-    // Row j lies in the block b with poff[b] <= j < poff[b + 1]: its q-th row is the block's
-    // q-th sorted slot while q < the real count, padding (+0.0) after it; rows from
-    // poff[bins] on are +0.0 too.
+    // Each row's source from the shared formula (the CUDA kernel's): the block's q-th sorted
+    // slot while q < the real count, padding (+0.0) after it and from poff[bins] on.
     const int64_t bins = p.hi - p.lo;
     parallel_rows(p.rows, p.threads, [&](int, int64_t j0, int64_t j1) {
-      int64_t b = std::upper_bound(poff, poff + bins + 1, static_cast<int32_t>(j0)) - poff - 1;
       for (int64_t j = j0; j < j1; ++j) {
-        while (b < bins && j >= poff[b + 1]) ++b;
-        const unsigned char* src = nullptr;
-        if (b < bins) {
-          const int64_t q = j - poff[b];
-          if (q < starts[b + 1] - starts[b]) {
-            src = x + static_cast<int64_t>(sorted[starts[b] + q] / K) * rb;
-          }
-        }
+        const int64_t d = init_routing_formula::aligned_source(j, bins, poff, starts);
+        const unsigned char* src = d >= 0 ? x + static_cast<int64_t>(sorted[d] / K) * rb : nullptr;
         rows::StreamBytes(src, ex + j * rb, rb, nt);
       }
       hwy::FlushStream();

@@ -1,7 +1,8 @@
 // The scalar init-routing math that the CPU and CUDA kernels share, one definition compiled for
 // both (MOEGRAD_HD: __host__ __device__ under nvcc, inline otherwise): the destination row of a
 // sorted slot (dropless, drop-pad capacity, D25-D27), the three encodings of the expert token
-// counts (D26), the aligned-block layout (D36) and the grad's row test (D29). docs/operators.md §8.5, §8.8, §8.9.
+// counts (D26), the aligned-block layout (D36) and the grad's row test (D29). docs/operators.md
+// §8.5, §8.8, §8.9, §8.13.
 #ifndef MOEGRAD_OPS_INIT_ROUTING_INIT_ROUTING_FORMULA_H_
 #define MOEGRAD_OPS_INIT_ROUTING_INIT_ROUTING_FORMULA_H_
 
