@@ -40,7 +40,7 @@ except ImportError as _e:  # pragma: no cover - exercised by a test with transfo
 import moegrad as _mg
 from moegrad._errors import ERR_PARAM_INVALID, MoeError
 from moegrad.nn import grouped_mm
-from moegrad.nn.moe import _grouped_mm_ok
+from moegrad.nn.moe import _host_sizes
 
 __all__ = ["IMPLEMENTATION", "Report", "Entry", "apply", "revert", "experts_forward"]
 
@@ -222,12 +222,7 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
     has_bias = bool(getattr(m, "has_bias", False))
     rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
     w_up, w_down = _weight(m, "gate_up_proj"), _weight(m, "down_proj")
-    # CUDA: torch's grouped GEMM reads the sizes on the device (bf16, sm90+, no bias); where
-    # moegrad's grouped_mm serves a pass instead, one host copy of the sizes serves all four.
-    host = None
-    if counts.is_cuda and not (not has_bias and _grouped_mm_ok(rows, w_up)
-                               and _grouped_mm_ok(rows, w_down)):
-        host = counts.cpu()
+    host = _host_sizes(counts, rows, w_up, w_down, bias=has_bias)
     up = _expert_gemm(rows, w_up, counts, host,
                       m.gate_up_proj_bias if has_bias else None)
     if plan.activation == "clipped_swiglu":

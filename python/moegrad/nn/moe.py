@@ -37,6 +37,17 @@ def _grouped_mm_ok(x: Tensor, w: Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
+def _host_sizes(counts: Tensor, rows: Tensor, *weights: Tensor,
+                bias: bool = False) -> Optional[Tensor]:
+    """The CPU copy of the expert sizes that the expert GEMMs of rows with `weights` need, or
+    None. On CUDA, torch._grouped_mm reads the sizes on the device; where moegrad::grouped_mm
+    serves a pass (a bias, or a case torch._grouped_mm does not take) it reads them on the host,
+    and one copy then serves all the passes, forward and backward."""
+    if not counts.is_cuda or (not bias and all(_grouped_mm_ok(rows, w) for w in weights)):
+        return None
+    return counts.cpu()
+
+
 def _slices(counts: Tensor, rows: int) -> List[int]:
     """Expert sizes on the host; rows past sum(counts) (none in the layer) form a last slice
     that no expert owns."""
@@ -620,12 +631,7 @@ class MoE(nn.Module):
     # -- experts ------------------------------------------------------------------------------
     def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
-        # One device-to-host copy of the sizes serves all four GEMM passes (forward and backward
-        # of both projections) that run through moegrad::grouped_mm on CUDA.
-        host = None
-        if counts.is_cuda and not (_grouped_mm_ok(rows, self.w_up)
-                                   and _grouped_mm_ok(rows, self.w_down)):
-            host = counts.cpu()
+        host = _host_sizes(counts, rows, self.w_up, self.w_down)
         up = self._add_bias(grouped_mm(rows, self.w_up, counts, host), self.b_up, counts)
         act = self._act(up, counts)
         return self._add_bias(grouped_mm(act, self.w_down, counts, host), self.b_down, counts)
