@@ -57,34 +57,33 @@ class TorchMoELayer(torch.nn.Module):
         idx = sel.topk(K, dim=-1).indices
         w = s.gather(1, idx)
         w = w / (w.sum(-1, keepdim=True) + 1e-20) * m.routed_scaling_factor
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tok = order // K
-        counts = torch.bincount(flat, minlength=E)
-        rows = x[tok]
-        sizes = counts.tolist()
-        up = torch.cat([r @ m.w_up[e] for e, r in enumerate(rows.split(sizes))])
-        act = F.silu(up[:, :Fh]) * up[:, Fh:]
-        down = torch.cat([a @ m.w_down[e] for e, a in enumerate(act.split(sizes))])
-        scale = w.reshape(-1)[order].to(down.dtype)
-        return torch.zeros_like(x).index_add_(0, tok, down * scale[:, None])
+        return self._experts(x, idx, w, lambda up: F.silu(up[:, :Fh]) * up[:, Fh:])
 
     def _gpt_oss(self, x):
         m = self.m
-        E, K, lim = m.num_experts, m.top_k, m.swiglu_limit
+        lim = m.swiglu_limit
         logits = F.linear(x, m.gate, m.gate_bias).float()
-        top_v, idx = logits.topk(K, dim=-1)
+        top_v, idx = logits.topk(m.top_k, dim=-1)
         w = torch.softmax(top_v, dim=-1)
+
+        def act(up):
+            gate, lin = up[:, ::2].clamp(max=lim), up[:, 1::2].clamp(-lim, lim)
+            return (lin + m.swiglu_offset) * (gate * torch.sigmoid(gate * m.swiglu_alpha))
+        return self._experts(x, idx, w, act, m.b_up, m.b_down)
+
+    def _experts(self, x, idx, w, act, b_up=None, b_down=None):
+        """The slots sorted by expert (stable argsort), a GEMM per expert on its rows (+ its bias
+        row), act over all rows, the down GEMMs, then the weighted index_add combine."""
+        m, K = self.m, idx.shape[1]
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // K
-        sizes = torch.bincount(flat, minlength=E).tolist()
-        rows = x[tok]
-        up = torch.cat([r @ m.w_up[e] + m.b_up[e] for e, r in enumerate(rows.split(sizes))])
-        gate, lin = up[:, ::2].clamp(max=lim), up[:, 1::2].clamp(-lim, lim)
-        act = (lin + m.swiglu_offset) * (gate * torch.sigmoid(gate * m.swiglu_alpha))
-        down = torch.cat([a @ m.w_down[e] + m.b_down[e]
-                          for e, a in enumerate(act.split(sizes))])
+        sizes = torch.bincount(flat, minlength=m.num_experts).tolist()
+
+        def gemms(rows, weight, bias):
+            return torch.cat([r @ weight[e] if bias is None else r @ weight[e] + bias[e]
+                              for e, r in enumerate(rows.split(sizes))])
+        down = gemms(act(gemms(x[tok], m.w_up, b_up)), m.w_down, b_down)
         scale = w.reshape(-1)[order].to(down.dtype)
         return torch.zeros_like(x).index_add_(0, tok, down * scale[:, None])
 
