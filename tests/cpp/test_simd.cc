@@ -136,8 +136,9 @@ void LoadRowTail(int kind, size_t n, const void* in, float* out) {
 }
 
 // fn 0: ExpNaN, 1: Sigmoid, 2: Sigmoid16, 3: MulSigmoid16 with p = 1 (the sigmoid itself; p = x
-// where x is NaN: in the SwiGLU p = x * up * w brings x's NaN, the sigmoid part stays finite);
-// n a multiple of the lane count.
+// where x is NaN: in the SwiGLU p = x * up * w brings x's NaN, the sigmoid part stays finite),
+// 4: SigmoidGrad16 (x where x is NaN, which its callers' products carry); n a multiple of the
+// lane count.
 void Eval(int fn, const float* in, float* out, size_t n) {
   const DF d;
   for (size_t i = 0; i < n; i += hn::Lanes(d)) {
@@ -145,7 +146,8 @@ void Eval(int fn, const float* in, float* out, size_t n) {
     const VF r = fn == 0   ? ExpNaN(d, v)
                  : fn == 1 ? Sigmoid(d, v)
                  : fn == 2 ? Sigmoid16(d, v)
-                           : MulSigmoid16(d, v, hn::IfThenElse(hn::IsNaN(v), v, hn::Set(d, 1.0f)));
+                 : fn == 3 ? MulSigmoid16(d, v, hn::IfThenElse(hn::IsNaN(v), v, hn::Set(d, 1.0f)))
+                           : hn::IfThenElse(hn::IsNaN(v), v, SigmoidGrad16(d, v));
     hn::StoreU(r, d, out + i);
   }
 }
@@ -366,11 +368,12 @@ double ulp_error(float got, double want) {
 
 double sigmoid_ref(double x) { return x >= 0 ? 1.0 / (1.0 + std::exp(-x)) : std::exp(x) / (1.0 + std::exp(x)); }
 
-// Bounds stated in docs/decisions.md L71 and L96 (measured maxima, rounded up).
+// Bounds stated in docs/decisions.md L71, L96, L105 and L217 (measured maxima, rounded up).
 constexpr double kExpMaxUlp = 1.5;
 constexpr double kSigmoidMaxUlp = 3.0;
 constexpr double kSigmoid16MaxUlp = 5.0;
 constexpr double kMulSigmoid16MaxUlp = 6.0;
+constexpr double kSigmoidGrad16MaxUlp = 6.0;  // L217: MulSigmoid16's arithmetic with p = 1
 
 struct Worst {
   double err = 0.0;
@@ -397,7 +400,11 @@ void sweep(int fn, const std::vector<float>& in, std::map<int64_t, Worst>& worst
 }
 
 void check_exp_or_sigmoid(int fn) {
-  const char* name = fn == 0 ? "exp" : fn == 1 ? "sigmoid" : fn == 2 ? "sigmoid16" : "mulsigmoid16";
+  const char* name = fn == 0   ? "exp"
+                     : fn == 1 ? "sigmoid"
+                     : fn == 2 ? "sigmoid16"
+                     : fn == 3 ? "mulsigmoid16"
+                               : "sigmoidgrad16";
   std::map<int64_t, Worst> worst;
   // Every 61st bit pattern (70 million floats: both signs, every exponent), in blocks.
   std::vector<float> in;
@@ -431,7 +438,8 @@ void check_exp_or_sigmoid(int fn) {
     const double bound = fn == 0   ? kExpMaxUlp
                          : fn == 1 ? kSigmoidMaxUlp
                          : fn == 2 ? kSigmoid16MaxUlp
-                                   : kMulSigmoid16MaxUlp;
+                         : fn == 3 ? kMulSigmoid16MaxUlp
+                                   : kSigmoidGrad16MaxUlp;
     EXPECT_LE(w.err, bound)
         << name << " on " << hwy::TargetName(t) << " at x = " << w.x;
   }
@@ -471,6 +479,7 @@ TEST(Simd, ExpOverTheWholeFloatRange) { check_exp_or_sigmoid(0); }
 TEST(Simd, SigmoidOverTheWholeFloatRange) { check_exp_or_sigmoid(1); }
 TEST(Simd, Sigmoid16OverTheWholeFloatRange) { check_exp_or_sigmoid(2); }
 TEST(Simd, MulSigmoid16OverTheWholeFloatRange) { check_exp_or_sigmoid(3); }
+TEST(Simd, SigmoidGrad16OverTheWholeFloatRange) { check_exp_or_sigmoid(4); }
 
 // The min/max pass of the host index checks (core/host_simd.h) against std::minmax_element,
 // int32 and int64, every length from 1 to 300 and a long one, the extremes of the type at

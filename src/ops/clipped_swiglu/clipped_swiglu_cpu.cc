@@ -207,20 +207,27 @@ HWY_INLINE VF ForwardValue(DF d, const Consts& k, VF a, VF b) {
 // (dA, dB) of one vector for upstream gradient g. Masks are inclusive (D32; L163): mode 0
 // [A <= limit], mode 1 [A sigmoid(A) <= limit], both modes [-limit <= B <= limit]; a NaN input
 // fails its mask.
-// kSixteen (bf16/fp16 data): the shorter sigmoid (L96), whose few fp32 ulps more are far below
-// the output's rounding.
+// kSixteen (bf16/fp16 data): SigmoidGrad16 (L217), whose error is far below the output's
+// rounding.
+template <bool kSixteen>
+HWY_INLINE VF SigmoidB(DF d, VF x) {
+  if constexpr (kSixteen) return SigmoidGrad16(d, x);
+  return SigmoidT<false>(d, x);
+}
+
 template <int kMode, bool kSixteen>
 HWY_INLINE void BackwardValue(DF d, const Consts& k, VF a, VF b, VF g, VF& da, VF& db) {
   const VF bc = ClampUp(k.c, k.nc, b);
-  const auto mb = hn::And(hn::Ge(b, k.nc), hn::Le(b, k.c));
+  // [-limit <= B <= limit] as "the clamp left B alone": one compare (NaN: clamped NaN != NaN).
+  const auto mb = hn::Eq(bc, b);
   if constexpr (kMode == 0) {
     const VF ac = ClampGate(k.c, a);
-    const VF s = SigmoidT<kSixteen>(d, hn::Mul(k.alpha, ac));
+    const VF s = SigmoidB<kSixteen>(d, hn::Mul(k.alpha, ac));
     const VF ds = hn::Mul(s, hn::Add(k.one, hn::Mul(hn::Mul(k.alpha, ac), hn::Sub(k.one, s))));
     da = hn::IfThenElseZero(hn::Le(a, k.c), hn::Mul(hn::Mul(g, hn::Add(bc, k.bias)), ds));
     db = hn::IfThenElseZero(mb, hn::Mul(g, hn::Mul(ac, s)));
   } else {
-    const VF s = SigmoidT<kSixteen>(d, a);
+    const VF s = SigmoidB<kSixteen>(d, a);
     const VF u = hn::Mul(a, s);
     const VF du = hn::Mul(s, hn::Add(k.one, hn::Mul(a, hn::Sub(k.one, s))));
     da = hn::IfThenElseZero(hn::Le(u, k.c), hn::Mul(hn::Mul(g, bc), du));
