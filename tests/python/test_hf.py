@@ -576,3 +576,23 @@ def test_bench_hf_quick(tmp_path, capsys):
               "grouped_mm_non_gemm_ms", "moegrad_peak_mb", "grouped_mm_peak_mb"):
         assert r[k] >= 0, k
     assert any("router" in p for p in r["patched"])
+
+
+def test_bench_hf_backends_share_weights_and_rounds_rotate():
+    """The benchmark's per-backend copies compute on the original's weight tensors (no copy),
+    and its rounds run every backend once per round in a rotated order (L218)."""
+    from moegrad.bench import hf as bh
+    model = _build("qwen3_moe", layers=1)
+    cp = bh._shared_copy(model)
+    for (n, p), (_, q) in zip(model.named_parameters(), cp.named_parameters()):
+        assert p is q, n
+    assert cp.config is not model.config
+    mh.apply(cp)
+    assert model.config._experts_implementation == "eager"  # the original is left alone
+    assert bh._find_block(cp) is not bh._find_block(model)
+
+    calls = []
+    fns = {n: (lambda n=n: calls.append(n)) for n in "abc"}
+    med = bh._interleaved(fns, 3, lambda: None)
+    assert set(med) == set("abc") and all(v >= 0 for v in med.values())
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab")

@@ -7,6 +7,9 @@ upstream gradient):
 * moegrad: moegrad.hf.apply (router and experts);
 * transformers "eager" (its per-expert loop), "grouped_mm" (its default), and torch.compile of
   the faster of those two;
+* the step times of grouped_mm, its compile and moegrad measured in interleaved rounds (one
+  model per backend, sharing the weight tensors), so that a drift of the machine reaches all
+  three alike;
 * the in-step split of each step into the expert GEMMs and everything else (CPU: the profiler's
   self time of the GEMM ops inside the real step, the router's GEMMs counted as non-GEMM, as in
   the layer benchmark), and the peak memory of a step.
@@ -16,17 +19,20 @@ whole run fits a small machine).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
+import statistics
 import sys
-from typing import Dict, List
+import time
+from typing import Callable, Dict, List
 
 import torch
 
 import moegrad
 
-from .layer import _in_step_split, _peak_bytes, _time
+from .layer import _in_step_split, _peak_bytes
 
 # arch -> (H, I, E, K, what it is scaled from)
 SHAPES = {
@@ -52,17 +58,47 @@ def _block(arch: str, H: int, I_: int, E: int, K: int, dtype, device):
                           heads=max(H // 128, 2))
     model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
     model = model.to(device=device, dtype=dtype).train()
+    return model, _find_block(model)
+
+
+def _shared_copy(model):
+    """A copy of model whose parameters are model's own tensors (no weight is copied), so that
+    each backend can keep its own modules while all of them compute on the same weights."""
+    return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+
+
+def _find_block(model):
     for layer in model.model.layers:
         if hasattr(layer.mlp, "experts") and not getattr(layer.mlp, "is_hash", False):
-            return model, layer.mlp
-    raise RuntimeError(f"{arch}: no top-k MoE block")
+            return layer.mlp
+    raise RuntimeError(f"{type(model).__name__}: no top-k MoE block")
+
+
+def _interleaved(fns: Dict[str, Callable[[], None]], reps: int,
+                 sync: Callable[[], None]) -> Dict[str, float]:
+    """Median step time of each fn, measured in rounds: one step of each per round, the order
+    rotated every round, so that a drift of the machine (load, memory bandwidth phase, the
+    allocator's state) reaches every backend alike. Each fn is warmed up (and compiled) first."""
+    for fn in fns.values():
+        fn()
+        sync()
+    names = list(fns)
+    ts: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(reps):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            fns[n]()
+            sync()
+            ts[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) for n, v in ts.items()}
 
 
 def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device: str,
                reps: int, compile_best: bool = True, seed: int = 0) -> Dict:
     import moegrad.hf as mh
     torch.manual_seed(seed)
-    model, block = _block(arch, H, I_, E, K, dtype, device)
+    model, _ = _block(arch, H, I_, E, K, dtype, device)
     x = torch.randn(1, T, H, device=device, dtype=dtype)
     g = torch.randn(1, T, H, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -72,42 +108,45 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
             xi = x.detach().requires_grad_(True)
             y = mod(xi)
             (y[0] if isinstance(y, tuple) else y).backward(g)
-            block.zero_grad(set_to_none=True)
+            mod.zero_grad(set_to_none=True)
         return f
 
     res: Dict = dict(arch=arch, H=H, I=I_, E=E, K=K, T=T, device=device,
                      dtype=str(dtype).replace("torch.", ""))
     router = {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
-    fns = {}
-
-    def measure(name, fn):
-        fns[name] = fn
-        res[f"{name}_ms"] = _time(fn, reps, sync) * 1e3
-
+    # One model per backend, all on the same weight tensors.
+    models = {}
     for impl in ("eager", "grouped_mm"):
-        model.set_experts_implementation(impl)
-        measure(impl, step(block))
-        if device == "cpu":
-            sp = _in_step_split(fns[impl], reps, router)
-            res[f"{impl}_non_gemm_ms"] = sp["non_gemm_ms"]
-            res[f"{impl}_gemm_ms"] = sp["gemm_ms"]
-        res[f"{impl}_peak_mb"] = _peak_bytes(fns[impl], device) / 2**20
-    best = min(("eager", "grouped_mm"), key=lambda n: res[f"{n}_ms"])
-    res["best_transformers"] = best
-    if compile_best:
-        model.set_experts_implementation(best)
-        torch._dynamo.reset()
-        measure("compile", step(torch.compile(block)))
-    report = mh.apply(model)
+        models[impl] = _shared_copy(model)
+        models[impl].set_experts_implementation(impl)
+    models["moegrad"] = _shared_copy(model)
+    report = mh.apply(models["moegrad"])
     res["patched"] = [f"{e.kind}: {e.detail}" for e in report.patched]
     res["left_alone"] = [f"{e.kind}: {e.detail}" for e in report.left_alone]
-    measure("moegrad", step(block))
-    if device == "cpu":
-        sp = _in_step_split(fns["moegrad"], reps, router)
-        res["moegrad_non_gemm_ms"] = sp["non_gemm_ms"]
-        res["moegrad_gemm_ms"] = sp["gemm_ms"]
-    res["moegrad_peak_mb"] = _peak_bytes(fns["moegrad"], device) / 2**20
-    mh.revert(model)
+    fns = {n: step(_find_block(m)) for n, m in models.items()}
+    # transformers' eager loop (seconds per step at some shapes) is timed on its own; the
+    # faster transformers backend, its compile and moegrad in interleaved rounds.
+    res["eager_ms"] = _interleaved({"eager": fns["eager"]}, reps, sync)["eager"] * 1e3
+    timed = {"grouped_mm": fns["grouped_mm"], "moegrad": fns["moegrad"]}
+    if compile_best:
+        torch._dynamo.reset()
+        timed["compile"] = step(torch.compile(_find_block(models["grouped_mm"])))
+    ms = _interleaved(timed, reps, sync)
+    for n, v in ms.items():
+        res[f"{n}_ms"] = v * 1e3
+    if compile_best and res["eager_ms"] < res["grouped_mm_ms"]:
+        # eager is the faster transformers backend: compile that one instead
+        torch._dynamo.reset()
+        res["compile_ms"] = _interleaved(
+            {"compile": step(torch.compile(_find_block(models["eager"])))}, reps, sync
+        )["compile"] * 1e3
+    res["best_transformers"] = min(("eager", "grouped_mm"), key=lambda n: res[f"{n}_ms"])
+    for n in ("eager", "grouped_mm", "moegrad"):
+        if device == "cpu":
+            sp = _in_step_split(fns[n], reps, router)
+            res[f"{n}_non_gemm_ms"] = sp["non_gemm_ms"]
+            res[f"{n}_gemm_ms"] = sp["gemm_ms"]
+        res[f"{n}_peak_mb"] = _peak_bytes(fns[n], device) / 2**20
     fastest = min(res[f"{n}_ms"] for n in ("eager", "grouped_mm", "compile") if f"{n}_ms" in res)
     res["speedup_vs_eager"] = res["eager_ms"] / res["moegrad_ms"]
     res["speedup_vs_best"] = fastest / res["moegrad_ms"]
