@@ -805,6 +805,9 @@ def _run_ep(args, device) -> int:
             losses.append(float(total))
             bar.update(step, f"loss {losses[-1]:.3f}")
         if rank != 0:
+            # Leave together with rank 0 (after its report), so that no rank tears gloo's
+            # connections down while another still holds them.
+            dist.barrier()
             return 0
         timed = max(args.steps - 1, 1)
         result = {
@@ -828,6 +831,7 @@ def _run_ep(args, device) -> int:
                 json.dump(result, f, indent=2)
         if args.plot:
             write_plot(args.plot, losses, losses, f"moegrad, {world} expert-parallel ranks")
+        dist.barrier()
         return 0 if ok else 1
     finally:
         dist.destroy_process_group()
