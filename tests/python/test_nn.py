@@ -238,9 +238,9 @@ def test_grouped_mm_opcheck_and_errors():
                                                  torch.autograd.grad(y2, (x, w), g)))
 
 
-def test_grouped_mm_large_outputs_on_huge_pages():
-    # Outputs above the huge-page threshold (8 MB out, 4 MB grad_x, 4 MB grad_w) take the
-    # advised allocation; the values must not notice.
+def test_grouped_mm_large_outputs():
+    # Large outputs (8 MB out, 4 MB grad_x, 4 MB grad_w), an empty expert, against torch; then
+    # the operators' huge-page advice (core/host.cc) on ranges it must leave alone.
     from moegrad import _C
     from moegrad.nn import grouped_mm
     seed = int(torch.randint(0, 2**31 - 1, ()).item())

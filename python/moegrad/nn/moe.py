@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
-from moegrad import _C
 from moegrad.ops._registry import _op
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
@@ -59,17 +58,11 @@ def _slices(counts: Tensor, rows: int) -> List[int]:
     return sizes + [rest]
 
 
-_HUGE_MIN_BYTES = 4 << 20  # below two whole 2 MiB pages the advice cannot apply
-
-
 def _empty(like: Tensor, shape) -> Tensor:
-    """An output of the expert GEMMs; on the CPU a large one is advised onto huge pages, as
-    moegrad's operators do with theirs (L102): each step allocates these anew, and with 4 KiB
-    pages their first-touch faults and their unmapping cost more than the GEMMs' own stores."""
-    t = like.new_empty(shape)
-    if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES:
-        _C._advise_huge_pages(t.data_ptr(), t.nbytes)
-    return t
+    """An output of the expert GEMMs. Not advised onto huge pages (L102): with transparent huge
+    pages on `madvise`, a fault in an advised range may wait for the kernel to compact memory,
+    and in the layer's step that cost more than the 4 KiB faults it saves."""
+    return like.new_empty(shape)
 
 
 def _mm_layout(w: Tensor) -> bool:
