@@ -88,12 +88,15 @@ def _record_selection(model):
     return seen, handles
 
 
+_ROUTER_NAMES = (".gate.", ".router.")
+
+
 def _is_moe_param(name):
-    return any(s in name for s in ("experts", ".gate.", ".router.", "shared_expert"))
+    return _is_router_param(name) or any(s in name for s in ("experts", "shared_expert"))
 
 
 def _is_router_param(name):
-    return ".gate." in name or ".router." in name
+    return any(s in name for s in _ROUTER_NAMES)
 
 
 # A router's gradient passes through the softmax (or normalised sigmoid) derivative over the
@@ -582,6 +585,7 @@ def test_bench_hf_backends_share_weights_and_rounds_rotate():
     """The benchmark's per-backend copies compute on the original's weight tensors (no copy),
     and its rounds run every backend once per round in a rotated order (L218)."""
     from moegrad.bench import hf as bh
+    from moegrad.bench.layer import _interleaved
     model = _build("qwen3_moe", layers=1)
     cp = bh._shared_copy(model)
     for (n, p), (_, q) in zip(model.named_parameters(), cp.named_parameters()):
@@ -593,6 +597,6 @@ def test_bench_hf_backends_share_weights_and_rounds_rotate():
 
     calls = []
     fns = {n: (lambda n=n: calls.append(n)) for n in "abc"}
-    med = bh._interleaved(fns, 3, lambda: None)
+    med = _interleaved(fns, 3, lambda: None)
     assert set(med) == set("abc") and all(v >= 0 for v in med.values())
     assert calls == list("abc") + list("abc") + list("bca") + list("cab")

@@ -23,16 +23,14 @@ import copy
 import json
 import math
 import os
-import statistics
 import sys
-import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
 import moegrad
 
-from .layer import _in_step_split, _peak_bytes
+from .layer import _in_step_split, _interleaved, _peak_bytes, _time
 
 # arch -> (H, I, E, K, what it is scaled from)
 SHAPES = {
@@ -74,26 +72,6 @@ def _find_block(model):
     raise RuntimeError(f"{type(model).__name__}: no top-k MoE block")
 
 
-def _interleaved(fns: Dict[str, Callable[[], None]], reps: int,
-                 sync: Callable[[], None]) -> Dict[str, float]:
-    """Median step time of each fn, measured in rounds: one step of each per round, the order
-    rotated every round, so that a drift of the machine (load, memory bandwidth phase, the
-    allocator's state) reaches every backend alike. Each fn is warmed up (and compiled) first."""
-    for fn in fns.values():
-        fn()
-        sync()
-    names = list(fns)
-    ts: Dict[str, List[float]] = {n: [] for n in names}
-    for r in range(reps):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            t0 = time.perf_counter()
-            fns[n]()
-            sync()
-            ts[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) for n, v in ts.items()}
-
-
 def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device: str,
                reps: int, compile_best: bool = True, seed: int = 0) -> Dict:
     import moegrad.hf as mh
@@ -126,7 +104,7 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
     fns = {n: step(_find_block(m)) for n, m in models.items()}
     # transformers' eager loop (seconds per step at some shapes) is timed on its own; the
     # faster transformers backend, its compile and moegrad in interleaved rounds.
-    res["eager_ms"] = _interleaved({"eager": fns["eager"]}, reps, sync)["eager"] * 1e3
+    res["eager_ms"] = _time(fns["eager"], reps, sync) * 1e3
     timed = {"grouped_mm": fns["grouped_mm"], "moegrad": fns["moegrad"]}
     if compile_best:
         torch._dynamo.reset()
@@ -137,9 +115,8 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
     if compile_best and res["eager_ms"] < res["grouped_mm_ms"]:
         # eager is the faster transformers backend: compile that one instead
         torch._dynamo.reset()
-        res["compile_ms"] = _interleaved(
-            {"compile": step(torch.compile(_find_block(models["eager"])))}, reps, sync
-        )["compile"] * 1e3
+        res["compile_ms"] = _time(step(torch.compile(_find_block(models["eager"]))), reps,
+                                  sync) * 1e3
     res["best_transformers"] = min(("eager", "grouped_mm"), key=lambda n: res[f"{n}_ms"])
     for n in ("eager", "grouped_mm", "moegrad"):
         if device == "cpu":

@@ -101,10 +101,29 @@ def _time(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
     return statistics.median(ts)
 
 
+def _interleaved(fns: Dict[str, Callable[[], None]], reps: int,
+                 sync: Callable[[], None]) -> Dict[str, float]:
+    """Median step time of each fn, measured in rounds: one step of each per round, the order
+    rotated every round, so that a drift of the machine (load, memory bandwidth phase, the
+    allocator's state) reaches every backend alike. Each fn is warmed up (and compiled) first."""
+    for fn in fns.values():
+        fn()
+        sync()
+    names = list(fns)
+    ts: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(reps):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            fns[n]()
+            sync()
+            ts[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) for n, v in ts.items()}
+
+
 def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[str, float]:
     """Step time of the layer with the Switch, sequence-wise and z-loss on (their sum added to
-    the loss) over the step with all three off; steps alternate (in both orders), so load
-    drifts hit both alike.
+    the loss) over the step with all three off, timed in interleaved rounds (_interleaved).
     x is viewed as sequences of 256 tokens (the sequence-wise loss needs [B, S, H])."""
     S = 256 if x.shape[0] % 256 == 0 else x.shape[0]
     xs, gs = x.view(-1, S, x.shape[1]), g.view(-1, S, g.shape[1])
@@ -119,19 +138,11 @@ def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[st
             loss = loss + m.aux_loss + m.seq_aux_loss + m.z_loss
         loss.backward()
         m.zero_grad(set_to_none=True)
-        sync()
 
-    times = {False: [], True: []}
-    for on in (False, True):
-        step(on)                          # warm-up
-    for r in range(reps):
-        for on in ((False, True) if r % 2 == 0 else (True, False)):  # neither always first
-            t0 = time.perf_counter()
-            step(on)
-            times[on].append(time.perf_counter() - t0)
+    ms = _interleaved({"off": lambda: step(False), "on": lambda: step(True)}, reps, sync)
     for c in coefs:
         setattr(m, c, 0.0)
-    off, on = statistics.median(times[False]), statistics.median(times[True])
+    off, on = ms["off"], ms["on"]
     return dict(losses_off_ms=off * 1e3, losses_on_ms=on * 1e3, losses_overhead=on / off - 1.0)
 
 

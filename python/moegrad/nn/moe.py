@@ -58,36 +58,29 @@ def _slices(counts: Tensor, rows: int) -> List[int]:
     return sizes + [rest]
 
 
-def _empty(like: Tensor, shape) -> Tensor:
-    """An output of the expert GEMMs. Not advised onto huge pages (L102): with transparent huge
-    pages on `madvise`, a fault in an advised range may wait for the kernel to compact memory,
-    and in the layer's step that cost more than the 4 KiB faults it saves."""
-    return like.new_empty(shape)
-
-
 def _mm_layout(w: Tensor) -> bool:
     """Each w[e] is a matrix BLAS reads in place: unit stride along one of its two dims (a
     contiguous [E, A, B] tensor, or the transpose view of a contiguous [E, B, A] one)."""
     return w.dim() == 3 and (w.stride(-1) == 1 or w.stride(-2) == 1)
 
 
-def _like_layout(like: Tensor, w: Tensor, alloc=None) -> Tensor:
+def _like_layout(like: Tensor, w: Tensor) -> Tensor:
     """An uninitialised tensor shaped like w, in w's per-expert layout (row- or column-major):
-    the weight gradient a transposed view receives then reaches its parameter without a copy.
-    alloc(like, shape): _empty (real kernels) or new_empty (fake kernels)."""
-    alloc = _empty if alloc is None else alloc
+    the weight gradient a transposed view receives then reaches its parameter without a copy."""
     if w.stride(-1) == 1 or w.shape[-1] == 1:
-        return alloc(like, w.shape)
-    return alloc(like, (w.shape[0], w.shape[2], w.shape[1])).transpose(1, 2)
+        return like.new_empty(w.shape)
+    return like.new_empty((w.shape[0], w.shape[2], w.shape[1])).transpose(1, 2)
 
 
 @_op("moegrad::grouped_mm")
 def _grouped_mm_op(x: Tensor, w: Tensor, counts: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x [rows, A] grouped by expert (counts [E]) times w [E, A, B] (+ bias [E, B] per expert)
     -> [rows, B]; rows past sum(counts) are zero. One GEMM per expert written in place into its
-    slice of the output, and an opaque operator, so torch.compile keeps one graph around it."""
+    slice of the output, and an opaque operator, so torch.compile keeps one graph around it.
+    Its outputs (and its backward's) are plain allocations, not advised onto huge pages (L102):
+    with transparent huge pages on `madvise`, an advised fault may wait for memory compaction."""
     sizes = _slices(counts, x.shape[0])
-    out = _empty(x, (x.shape[0], w.shape[-1]))
+    out = x.new_empty((x.shape[0], w.shape[-1]))
     outs, xs = out.split(sizes), x.split(sizes)
     for e in range(len(sizes) - 1):
         if sizes[e]:
@@ -112,7 +105,7 @@ def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, 
     per-expert full-size zero tensors (what autograd of `xe @ w[e]` accumulates), and experts
     without rows get zeros."""
     sizes = _slices(counts, x.shape[0])
-    gx = _empty(grad, x.shape) if need_x else grad.new_empty((0,))
+    gx = grad.new_empty(x.shape) if need_x else grad.new_empty((0,))
     gw = _like_layout(grad, w) if need_w else grad.new_empty((0,))
     gb = grad.new_empty((w.shape[0], w.shape[-1])) if need_b else grad.new_empty((0,))
     gs, xs = grad.split(sizes), x.split(sizes)
@@ -135,7 +128,7 @@ def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, counts: Tensor, 
 @_grouped_mm_backward_op.register_fake
 def _(grad, x, w, counts, need_x, need_w, need_b=False):
     return [grad.new_empty(x.shape if need_x else (0,)),
-            _like_layout(grad, w, Tensor.new_empty) if need_w else grad.new_empty((0,)),
+            _like_layout(grad, w) if need_w else grad.new_empty((0,)),
             grad.new_empty((w.shape[0], w.shape[-1]) if need_b else (0,))]
 
 
