@@ -34,6 +34,10 @@ ARCHS = mh.ARCHITECTURES
 HAS_CLIPPED = getattr(moegrad, "clipped_swiglu", None) is not None
 HAS_NO_RENORM = "no_renorm" in inspect.signature(moegrad.moe_gating_top_k).parameters
 FP32_REL = 1e-5
+# The numerical comparisons run on the CPU and, where there is a GPU, on CUDA too (the same
+# models moved there: moegrad's CUDA kernels against transformers' eager experts on that GPU).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
 
 def _build(arch, dtype=torch.float32, **kw):
@@ -158,8 +162,9 @@ def test_import_without_transformers_names_the_extra(monkeypatch):
 
 # ----------------------------------------------------------------- fp32, the whole model ----
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fp32_model_matches_eager(arch, rng):
-    ref = _build(arch)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_model_matches_eager(device, arch, rng):
+    ref = _build(arch).to(device)
     pat = copy.deepcopy(ref)
     report = mh.apply(pat)
     expected = _expected_left_alone(arch)
@@ -171,7 +176,7 @@ def test_fp32_model_matches_eager(arch, rng):
     assert any(e.kind == "router" for e in report.patched), str(report)
     assert "patched" in str(report)
 
-    ids = _ids(pat, (2, 24))
+    ids = _ids(pat, (2, 24)).to(device)
     sel_ref, h1 = _record_selection(ref)
     sel_pat, h2 = _record_selection(pat)
     o1 = ref(ids, labels=ids, output_router_logits=True)
@@ -250,7 +255,7 @@ def _block_inputs(block, H, dtype, k):
     router = _router(block)
     kept, n = [], 0
     for _ in range(100):
-        x = torch.randn(256, H).to(dtype)
+        x = torch.randn(256, H).to(dtype).to(router.weight.device)
         with torch.no_grad():
             logits = router(x)[0].float()
             sel = _selection_scores(router, logits)
@@ -289,7 +294,8 @@ def _token_abs_sums(blk, x, g):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_block_matches_eager(arch, rng):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_block_matches_eager(device, arch, rng):
     """bf16 block, patched and eager, each against the same block in fp32 (eager, the bf16
     weights widened): the patched block's error is within 4 bf16 ulps (2^-6) of each tensor's
     magnitude, or at most twice the eager bf16 block's own error where that is larger (the
@@ -297,7 +303,7 @@ def test_bf16_block_matches_eager(arch, rng):
     gradient element may also be off by 2^-7 of the sum of its per-token terms' magnitudes
     (about two bf16 roundings of each term: a sum of cancelling terms, such as a router bias's,
     is otherwise judged by the size of what is left)."""
-    model = _build(arch, dtype=torch.bfloat16)
+    model = _build(arch, dtype=torch.bfloat16).to(device)
     i, ref = _moe_block(model)
     wide = copy.deepcopy(ref).float()
     pat_model = copy.deepcopy(model)
@@ -305,7 +311,7 @@ def test_bf16_block_matches_eager(arch, rng):
     pat = pat_model.model.layers[i].mlp
     H, K = model.config.hidden_size, model.config.num_experts_per_tok
     x = _block_inputs(ref, H, torch.bfloat16, K)
-    g = torch.randn(2, 16, H).to(torch.bfloat16)
+    g = torch.randn(2, 16, H).to(torch.bfloat16).to(device)
     runs = []
     for blk, dt in ((wide, torch.float32), (ref, torch.bfloat16), (pat, torch.bfloat16)):
         xi = x.to(dt).clone().requires_grad_(True)
