@@ -8,6 +8,10 @@ semantics, shapes, dtypes and status codes: docs/operators.md; decisions: docs/d
 """
 from __future__ import annotations
 
+# torch before the native module: the front needs it anyway, and its CUDA libraries then load
+# first, as they do when a user imports torch before moegrad.
+import torch  # noqa: F401
+
 from . import _C
 from ._errors import MoeError
 

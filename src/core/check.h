@@ -10,8 +10,8 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
-#include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "moegrad/moegrad.h"
@@ -54,42 +54,66 @@ Claim dim_claim(const TensorView& t, const char* arg, int d);
 Claim rank_claim(const TensorView& t, const char* arg);
 Claim half_dim_claim(const TensorView& t, const char* arg, int d);
 
+// Messages are built without iostreams: a std::ostream formats numbers through the locale's
+// facets, and a process holding two libstdc++ copies (an extension linked against a static one
+// beside torch's shared one) crashed there on a GPU machine (docs/decisions.md L219). Every
+// argument type cat takes is listed below; another one does not compile.
 namespace detail {
-template <typename T>
-void put(std::ostringstream& os, const T& v) {
-  os << v;
+inline void put(std::string& s, const std::string& v) { s += v; }
+inline void put(std::string& s, const char* v) { s += v != nullptr ? v : "(null)"; }
+inline void put(std::string& s, char v) { s += v; }
+inline void put(std::string& s, bool v) { s += v ? '1' : '0'; }
+template <typename T, std::enable_if_t<std::is_integral_v<T> || std::is_enum_v<T>, int> = 0>
+void put(std::string& s, T v) {
+  char buf[24];
+  const auto r = [&] {
+    if constexpr (std::is_enum_v<T>) {
+      return std::to_chars(buf, buf + sizeof(buf), static_cast<std::underlying_type_t<T>>(v));
+    } else {
+      return std::to_chars(buf, buf + sizeof(buf), v);
+    }
+  }();
+  s.append(buf, r.ptr);
 }
 // Floating-point values are written as Python's repr writes them (L154): the shortest digits
 // that read back as the same double, fixed notation for decimal exponents -4 <= X < 16 (with
-// ".0" when integral), else scientific. The stream's default 6 digits would report
+// ".0" when integral), else scientific. A stream's default 6 digits would report
 // clamp_limit = -0.9999999 as "-1". Inline: the library exports no internal symbols.
-inline void put(std::ostringstream& os, double v) {
+inline void put(std::string& s, double v) {
   if (!std::isfinite(v)) {
-    os << (std::isnan(v) ? "nan" : (v < 0 ? "-inf" : "inf"));
+    s += std::isnan(v) ? "nan" : (v < 0 ? "-inf" : "inf");
     return;
   }
   char buf[64];
   auto r = std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::scientific);
+  // The exponent is parsed within the written characters: buf has no terminating NUL.
   const char* e = static_cast<const char*>(std::memchr(buf, 'e', r.ptr - buf));
-  const long exp10 = e ? std::strtol(e + 1, nullptr, 10) : 0;
+  int exp10 = 0;
+  if (e != nullptr) {
+    const char* p = e + 1;
+    const bool neg = *p == '-';
+    if (*p == '+' || *p == '-') ++p;
+    std::from_chars(p, r.ptr, exp10);
+    if (neg) exp10 = -exp10;
+  }
   if (exp10 >= -4 && exp10 < 16) {
     r = std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::fixed);
-    os.write(buf, r.ptr - buf);
-    if (!std::memchr(buf, '.', r.ptr - buf)) os << ".0";
+    s.append(buf, r.ptr);
+    if (!std::memchr(buf, '.', r.ptr - buf)) s += ".0";
     return;
   }
-  os.write(buf, r.ptr - buf);
+  s.append(buf, r.ptr);
 }
-inline void put(std::ostringstream& os, float v) { put(os, static_cast<double>(v)); }
+inline void put(std::string& s, float v) { put(s, static_cast<double>(v)); }
 }  // namespace detail
 
-// Concatenates its arguments with operator<< (floating-point values in shortest round-trip
-// form), e.g. a message "<op>: <argument>: <rule>; got <value>".
+// Concatenates its arguments (strings, characters, integers and enums as numbers, floating-point
+// values in shortest round-trip form), e.g. a message "<op>: <argument>: <rule>; got <value>".
 template <typename... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (detail::put(os, args), ...);
-  return os.str();
+  std::string s;
+  (detail::put(s, args), ...);
+  return s;
 }
 
 // Counts validations (validation_count(); one Validator per validation).

@@ -3,8 +3,10 @@
 // takes int64 indices (the C API keeps int32).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -13,6 +15,7 @@
 #include <moegrad/moegrad.h>
 
 #include "core/acl_api.h"  // struct aclTensor: the tests set a device no pointer can have
+#include "core/check.h"
 
 namespace {
 
@@ -286,3 +289,21 @@ TEST(Int64Indices, CApiKeepsInt32) {
 }
 
 }  // namespace
+
+// Messages are built without iostreams (docs/decisions.md L219): every argument type cat takes,
+// integers at their extremes, 8-bit integers as numbers, floating point in Python's repr form.
+TEST(Messages, CatWritesEveryArgumentTypeWithoutStreams) {
+  using moegrad::cat;
+  EXPECT_EQ(cat("op: ", std::string("arg"), ':', ' ', true, false), "op: arg: 10");
+  EXPECT_EQ(cat(std::numeric_limits<int64_t>::min(), " ", std::numeric_limits<uint64_t>::max()),
+            "-9223372036854775808 18446744073709551615");
+  EXPECT_EQ(cat(int8_t{-5}, ",", uint8_t{200}, ",", int32_t{0}), "-5,200,0");
+  EXPECT_EQ(cat(moegrad::DType::kFloat32),
+            std::to_string(static_cast<int>(moegrad::DType::kFloat32)));
+  EXPECT_EQ(cat(-0.9999999, " ", 3.0, " ", 1e-4, " ", 1e-5, " ", 1e20, " ", 123456789.5),
+            "-0.9999999 3.0 0.0001 1e-05 1e+20 123456789.5");
+  EXPECT_EQ(cat(0.1f), "0.10000000149011612");
+  EXPECT_EQ(cat(std::nan(""), " ", -HUGE_VAL, " ", HUGE_VAL), "nan -inf inf");
+  const char* null = nullptr;
+  EXPECT_EQ(cat(null), "(null)");
+}
