@@ -1,6 +1,7 @@
 """One OpenMP runtime per PyTorch process (docs/performance.md "Threads: one OpenMP runtime",
 docs/decisions.md L85): moegrad's parallel regions run on the libgomp that torch loaded, so the
-two never keep two spinning thread pools on the same cores."""
+two never keep two spinning thread pools on the same cores. Likewise one C++ runtime: the
+module links the shared libstdc++ (L219)."""
 from __future__ import annotations
 
 import subprocess
@@ -53,3 +54,19 @@ def test_set_num_threads_refuses_a_negative_count():
         assert moegrad.get_num_threads() >= 1
     finally:
         moegrad.set_num_threads(before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF shared libraries")
+def test_native_module_uses_the_shared_cpp_runtime():
+    """The module links the shared libstdc++ (docs/decisions.md L219): a second, static copy
+    beside the one torch loads crashed iostreams on a GPU machine."""
+    import shutil
+
+    import moegrad
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("needs readelf (binutils)")
+    out = subprocess.run([readelf, "-d", moegrad._C.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    needed = [ln.split("[")[-1].rstrip("]") for ln in out.splitlines() if "(NEEDED)" in ln]
+    assert "libstdc++.so.6" in needed, needed
