@@ -543,3 +543,43 @@ def test_gating_forward_selection_with_many_exact_ties(N, k, group_count, k_grou
         want = [_selection_reference(sel[r], k, k_group, group_count, group_select_mode)
                 for r in range(M)]
         assert idx.tolist() == want, api
+
+
+def _saved(fn):
+    """(shape, dtype) of every tensor autograd saves while fn runs."""
+    seen = []
+
+    def pack(t):
+        seen.append((tuple(t.shape), t.dtype))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_autograd_keeps_one_score_sized_tensor(dtype, rng):
+    """The gating autograd keeps the scores (out_flag) or the logits to recompute them, never
+    both, and the ids; the replay keeps its scores and the ids, in the same layout (an
+    activation checkpoint that replays the ids sees the same saved tensors; fp32 logits)."""
+    M, N, K = 12, 16, 4
+    x = randn((M, N), dtype, rng).requires_grad_(True)
+    for out_flag, kept in ((False, ((M, N), dtype)), (True, ((M, N), torch.float32))):
+        saved = _saved(lambda: moegrad.moe_gating_top_k(x, K, norm_type=0, renorm=1,
+                                                        out_flag=out_flag))
+        assert saved == [kept, ((M, K), torch.int32)], (out_flag, saved)
+    idx = moegrad.moe_gating_top_k(x.detach(), K)[1]
+    saved = _saved(lambda: moegrad.moe_gating_replay(x, idx, renorm=1))
+    assert saved == [((M, N), torch.float32), ((M, K), torch.int32)], saved
+    # and the gradients still reach x through both
+    g = randn((M, K), dtype, rng)
+    for out_flag in (False, True):
+        x.grad = None
+        y = moegrad.moe_gating_top_k(x, K, norm_type=0, renorm=1, out_flag=out_flag)[0]
+        y.backward(g)
+        xr = x.detach().float().requires_grad_(True)
+        p = torch.softmax(xr, -1)
+        top = torch.gather(p, 1, idx.long())
+        (top / top.sum(-1, keepdim=True)).backward(g.float())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(x.grad.float(), xr.grad, rtol=tol, atol=tol), out_flag

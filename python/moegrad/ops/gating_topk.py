@@ -86,7 +86,13 @@ def _gating_setup(ctx, inputs, output):
     x, _k, _bias, _kg, _gc, _gsm, renorm, norm_type, out_flag, rsf, eps, no_renorm = _args(
         inputs, (None, None, None, 1, 1, 0, 0, 0, False, 1.0, 1e-20, False))
     _y, idx, norm = output
-    ctx.save_for_backward(x, idx, norm)
+    # The backward needs the scores: norm_out when it holds them (out_flag), else x to
+    # recompute them. Only that one is kept (norm_out is zeros without out_flag): a router's
+    # saved state is then one [M, N] tensor, as in a PyTorch softmax router. Saved as
+    # (scores or x, ids), the layout of moe_gating_replay's: an activation checkpoint whose
+    # recomputation replays the ids (moegrad.nn, fp32 logits) sees the same saved tensors.
+    ctx.save_for_backward(norm if out_flag else x, idx)
+    ctx.x_dtype = x.dtype
     ctx.attrs = (renorm, norm_type, out_flag, rsf, eps, no_renorm)
 
 
@@ -110,7 +116,7 @@ def _normalise_backward(grad: Tensor, s: Tensor, norm_type: int) -> Tensor:
     return grad * dn
 
 
-def _weights_and_scores_backward(x, x_norm, idx, grad_y, grad_norm, attrs):
+def _weights_and_scores_backward(x_dtype, x_norm, idx, grad_y, grad_norm, attrs):
     """grad_x of (y, norm_out) at the saved scores x_norm (fp32): the native backward of the
     weights plus, when norm_out receives a gradient, its normalisation backward; both terms
     are summed in fp32 and rounded once (D12)."""
@@ -119,16 +125,16 @@ def _weights_and_scores_backward(x, x_norm, idx, grad_y, grad_norm, attrs):
     grad_x = moe_gating_top_k_backward(x_norm, grad_y.float() if two_terms else grad_y, idx,
                                        renorm, norm_type, rsf, eps, no_renorm)
     if two_terms:
-        grad_x = (grad_x + _normalise_backward(grad_norm.float(), x_norm, norm_type)).to(x.dtype)
+        grad_x = (grad_x + _normalise_backward(grad_norm.float(), x_norm, norm_type)).to(x_dtype)
     return grad_x
 
 
 def _gating_backward(ctx, grad_y, _grad_idx, grad_norm):
     # Every norm type (D22, L21): the native backward takes the forward's normalised scores.
     renorm, norm_type, out_flag, rsf, eps, no_renorm = ctx.attrs
-    x, idx, norm = ctx.saved_tensors
-    x_norm = norm if out_flag else _normalise(x, norm_type)
-    grad_x = _weights_and_scores_backward(x, x_norm, idx, grad_y,
+    scores_or_x, idx = ctx.saved_tensors
+    x_norm = scores_or_x if out_flag else _normalise(scores_or_x, norm_type)
+    grad_x = _weights_and_scores_backward(ctx.x_dtype, x_norm, idx, grad_y,
                                           grad_norm if out_flag else None,
                                           (renorm, norm_type, rsf, eps, no_renorm))
     return (grad_x,) + (None,) * 11
@@ -173,15 +179,16 @@ def _replay_setup(ctx, inputs, output):
     x, idx, _bias, renorm, norm_type, rsf, eps, no_renorm = _args(
         inputs, (None, None, None, 0, 0, 1.0, 1e-20, False))
     _y, norm = output
-    ctx.save_for_backward(x, idx, norm)
+    ctx.save_for_backward(norm, idx)  # norm_out always holds the scores: x is not kept
+    ctx.x_dtype = x.dtype
     ctx.attrs = (renorm, norm_type, rsf, eps, no_renorm)
 
 
 def _replay_backward(ctx, grad_y, grad_norm):
-    x, idx, norm = ctx.saved_tensors
+    norm, idx = ctx.saved_tensors
     if grad_y is None:
-        grad_y = torch.zeros((idx.shape[0], idx.shape[1]), dtype=x.dtype, device=x.device)
-    grad_x = _weights_and_scores_backward(x, norm, idx, grad_y, grad_norm, ctx.attrs)
+        grad_y = torch.zeros((idx.shape[0], idx.shape[1]), dtype=ctx.x_dtype, device=idx.device)
+    grad_x = _weights_and_scores_backward(ctx.x_dtype, norm, idx, grad_y, grad_norm, ctx.attrs)
     return (grad_x,) + (None,) * 7
 
 
