@@ -61,10 +61,20 @@ Claim half_dim_claim(const TensorView& t, const char* arg, int d);
 namespace detail {
 inline void put(std::string& s, const std::string& v) { s += v; }
 inline void put(std::string& s, const char* v) { s += v != nullptr ? v : "(null)"; }
+inline void put(std::string& s, char* v) { put(s, static_cast<const char*>(v)); }
 inline void put(std::string& s, char v) { s += v; }
-inline void put(std::string& s, bool v) { s += v ? '1' : '0'; }
-template <typename T, std::enable_if_t<std::is_integral_v<T> || std::is_enum_v<T>, int> = 0>
+// bool only as itself: a pointer or a class converting to bool must not print "1".
+template <typename T, std::enable_if_t<std::is_same_v<T, bool>, int> = 0>
 void put(std::string& s, T v) {
+  s += v ? '1' : '0';
+}
+template <typename T>
+void put(std::string& s, T* v) = delete;  // an address is no message content
+template <typename T, std::enable_if_t<(std::is_integral_v<T> && !std::is_same_v<T, bool>) ||
+                                           std::is_enum_v<T>,
+                                       int> = 0>
+void put(std::string& s, T v) {
+  static_assert(sizeof(T) <= 8, "cat: integers wider than 64 bits are not formatted");
   char buf[24];
   const auto r = [&] {
     if constexpr (std::is_enum_v<T>) {
