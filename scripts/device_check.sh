@@ -39,7 +39,7 @@ case "${1:-}" in
     pins=$(grep -E '^(transformers|huggingface_hub)==' "$ROOT/requirements-dev.txt" | cut -d' ' -f1)
     # huggingface_hub 2's HTTP client, which a GPU machine's older hub lacks
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/.whl" $pins \
-      httpx2==2.16.2 httpcore2==2.16.2 truststore
+      httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
     du -sh "$ROOT/.whl"
     echo "prepared $ROOT/.whl (the transformers tests on CUDA; carry it to the GPU machine)"
     exit 0 ;;
