@@ -135,8 +135,6 @@ def _plan_experts(m: nn.Module) -> Tuple[Optional[_ExpertsPlan], str]:
         return None, "ungated experts (up_proj then an activation) have no moegrad activation"
     if getattr(m, "has_post_expert_norm", False):
         return None, "a norm after each expert has no counterpart in moegrad"
-    if getattr(m, "_is_expert_parallel", False):
-        return None, "expert-parallel experts (sentinel expert ids) are not served"
     up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     if not isinstance(up, Tensor) or not isinstance(down, Tensor) or up.dim() != 3 \
             or down.dim() != 3:
@@ -204,8 +202,9 @@ def _expert_gemm(rows: Tensor, w: Tensor, counts: Tensor, host, bias) -> Tensor:
     """rows grouped by expert times w [E, in, out] (+ bias). Eager CPU without bias: torch's
     grouped GEMM (F.grouped_mm; one call, several times faster than per-expert calls at these
     row counts, docs/hf.md); otherwise, and under torch.compile (where torch's CPU
-    grouped GEMM does not trace for fp32), moegrad.nn.grouped_mm. Init routing is dropless, so
-    the counts cover every row."""
+    grouped GEMM does not trace for fp32), moegrad.nn.grouped_mm. The counts cover every row
+    but the off-rank ones of expert parallelism, which sit at the end and which no later step
+    reads (swiglu_group zeroes them, finalize routing and the init-routing grad skip them)."""
     if (bias is None and rows.device.type == "cpu" and _TORCH_GROUPED_MM is not None
             and not torch.compiler.is_compiling()):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -220,7 +219,18 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
     _check_inputs(m, x, idx, w)
     E, K = m.num_experts, idx.shape[1]
     has_bias = bool(getattr(m, "has_bias", False))
-    rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
+    if getattr(m, "_is_expert_parallel", False):
+        # transformers' expert parallelism: the ids are this rank's local ones, and id E (its
+        # num_experts) marks a route to another rank's expert. Those slots fall outside the
+        # active window [0, E): no row, index -1, no contribution, no gradient (L221).
+        off_rank = idx >= E
+        idx = idx.clamp(max=E)
+        w = w.masked_fill(off_rank, 0.0)
+        rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E + 1,
+                                                     active_expert_range=[0, E])
+        idx = idx.clamp(max=E - 1)  # an in-range bias row for a slot whose scale is 0
+    else:
+        rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
     w_up, w_down = _weight(m, "gate_up_proj"), _weight(m, "down_proj")
     host = _host_sizes(counts, rows, w_up, w_down, bias=has_bias)
     up = _expert_gemm(rows, w_up, counts, host,

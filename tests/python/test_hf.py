@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import os
+import subprocess
 import sys
 
 import pytest
@@ -480,6 +482,93 @@ def test_gpt_oss_experts_layout_and_biases(monkeypatch):
     _check_grads(ref, pat)
     ex = pat.model.layers[0].mlp.experts
     assert ex.gate_up_proj_bias.grad.abs().sum() > 0 and ex.down_proj_bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_parallel_off_rank_ids(arch, dtype, rng, monkeypatch):
+    """transformers' expert parallelism (`_is_expert_parallel`, L221): local ids, and id E
+    (num_experts) for a route to another rank's expert. Against the module's own eager forward
+    in float64 with those slots given weight 0 (and any valid id): same output and expert /
+    input gradients, the off-rank slots' weight gradients exactly 0 (the masked_fill transformers
+    applies), a token routed only off-rank gives 0 and gets no gradient."""
+    if arch == "gpt_oss" and not HAS_CLIPPED:
+        monkeypatch.setattr(moegrad, "clipped_swiglu", _clipped_standin, raising=False)
+    model = _build(arch)
+    _, block = _moe_block(model)
+    ex = block.experts
+    ex._is_expert_parallel = True  # as transformers' expert-parallel styles set it, at load
+    report = mh.apply(model)
+    assert any(e.name.endswith("experts") for e in report.patched), str(report)
+    E, H, N, K = ex.num_experts, model.config.hidden_size, 37, 3
+    idx = torch.randint(0, E + 1, (N, K))
+    idx[0] = E
+    idx[1, 0] = E
+    off = idx == E
+    x = torch.randn(N, H)
+    w = torch.rand(N, K)  # nonzero at the off-rank slots too: the backend must mask them
+    g = torch.randn(N, H)
+
+    ref = copy.deepcopy(ex).double()
+    ref._is_expert_parallel = False
+    xr, wr = x.double().requires_grad_(True), w.double().masked_fill(off, 0.0)
+    wr.requires_grad_(True)
+    yr = mh._own_forward(ref)(ref, xr, idx.masked_fill(off, 0), wr)
+    yr.backward(g.double())
+    want = {"output": yr.detach(), "x": xr.grad, "w": wr.grad.masked_fill(off, 0.0)}
+    want.update({n: p.grad for n, p in ref.named_parameters()})
+
+    pat = ex.to(dtype)
+    xp, wp = x.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(True)
+    yp = pat(xp, idx, wp)
+    yp.backward(g.to(dtype))
+    got = {"output": yp.detach(), "x": xp.grad, "w": wp.grad}
+    got.update({n: p.grad for n, p in pat.named_parameters()})
+    assert set(got) == set(want)
+    assert torch.equal(got["w"][off], torch.zeros_like(got["w"][off]))
+    assert not got["output"][0].any() and not got["x"][0].any()
+    rel = FP32_REL if dtype == torch.float32 else 2.0 ** -6
+    for name, truth in want.items():
+        err = (got[name].double() - truth).abs().max().item()
+        scale = truth.abs().max().item()
+        assert scale > 0 and err <= rel * scale, f"{arch} {dtype} {name}: {err:.3e} vs {scale:.3e}"
+
+
+def test_transformers_expert_parallel_two_ranks(tmp_path):
+    """transformers' own expert parallelism (DistributedConfig(ep_size=2), gloo, 2 processes)
+    on a saved tiny Qwen3-MoE, in both of its modes: with moegrad.hf applied, each rank's loss,
+    logits and local gradients (its half of the experts included) equal those of transformers'
+    grouped_mm experts in the same run, and the all-reduce mode did send off-rank ids (L221)."""
+    pytest.importorskip("accelerate")  # transformers needs it for distributed loading
+    model = _build("qwen3_moe")
+    model.save_pretrained(tmp_path / "model")
+    torch.save(dict(ids=_ids(model, (2, 12))), tmp_path / "case.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hf_ep_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    E = model.config.num_experts
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        for mode, m in res.items():
+            assert len(m["patched"]) == model.config.num_hidden_layers, m["report"]
+            ref, got = m["ref"], m["got"]
+            assert abs(got["loss"] - ref["loss"]) <= FP32_REL * abs(ref["loss"]), mode
+            assert (got["logits"] - ref["logits"]).abs().max() <= \
+                FP32_REL * ref["logits"].abs().max(), mode
+            assert set(got["grads"]) == set(ref["grads"]), mode
+            for name, g in ref["grads"].items():
+                if "experts" in name:
+                    assert g.shape[0] == E // 2, (mode, name, g.shape)
+                err = (got["grads"][name] - g).abs().max().item()
+                scale = g.abs().max().item()
+                tol = FP32_REL * (ROUTER_REL_FACTOR if _is_router_param(name) else 1.0)
+                assert err <= tol * max(scale, 1e-30), f"rank {r} {mode} {name}: {err:.3e}"
+        assert res["all_reduce"]["off_rank"] > 0 and res["all_to_all"]["off_rank"] == 0
 
 
 def test_deepseek_v4_hash_layer_reported():
