@@ -1,6 +1,8 @@
 #include "core/host.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -111,7 +113,12 @@ const int32_t* index32(const TensorView& t, int32_t* scratch) {
 void advise_huge_pages(void* data, uint64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (data == nullptr) return;
+  // Opt-in (L223): read once, at the first large output.
+  static const bool enabled = [] {
+    const char* v = std::getenv("MOEGRAD_HUGE_PAGES");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  if (data == nullptr || !enabled) return;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
   const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
   const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);

@@ -695,3 +695,54 @@ def test_bench_hf_backends_share_weights_and_rounds_rotate():
     med = _interleaved(fns, 3, lambda: None)
     assert set(med) == set("abc") and all(v >= 0 for v in med.values())
     assert calls == list("abc") + list("abc") + list("bca") + list("cab")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_bench_hf_stub_gemms_replace_every_expert_gemm(arch):
+    """--stub-gemms (L222): inside the context no expert GEMM runs in either backend (only the
+    router's and shared experts' mm/addmm remain, none with the experts' stacked weights), the
+    stub's gradients reach every expert weight in its own layout, and leaving the context
+    restores torch's and moegrad's functions."""
+    import torch.nn.functional as F
+
+    from moegrad.bench import hf as bh
+    before = (getattr(F, "grouped_mm", None), torch._grouped_mm, mh._TORCH_GROUPED_MM,
+              mh.grouped_mm)
+    model = _build(arch, layers=1)
+    x = torch.randn(1, 8, model.config.hidden_size)
+    for impl in ("grouped_mm", "moegrad"):
+        m = bh._shared_copy(model)
+        if impl == "moegrad":
+            mh.apply(m)
+        else:
+            m.set_experts_implementation(impl)
+        blk = bh._find_block(m)
+        E = blk.experts.num_experts
+        with bh._stubbed_expert_gemms(), torch.profiler.profile(record_shapes=True) as prof:
+            y = _call(blk, x.clone().requires_grad_(True))
+            y.backward(torch.randn_like(y))
+        names = {e.name for e in prof.events()}
+        assert bh.STUB_EVENT in names, impl
+        assert "aten::_grouped_mm" not in names, impl
+        assert not [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::bmm")
+                    and any(len(s) == 3 and s[0] == E for s in e.input_shapes)], impl
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(blk.experts, name)
+            assert p.grad is not None and p.grad.stride() == p.stride(), (impl, name)
+    assert (getattr(F, "grouped_mm", None), torch._grouped_mm, mh._TORCH_GROUPED_MM,
+            mh.grouped_mm) == before
+
+
+def test_bench_hf_stub_gemms_quick(tmp_path, capsys):
+    """python -m moegrad.bench --hf --stub-gemms --quick: both splits of both backends."""
+    import json
+
+    from moegrad.bench import main
+    out = tmp_path / "s.json"
+    assert main(["--hf", "--stub-gemms", "--quick", "--archs", "olmoe", "--dtypes", "bf16",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    assert "| olmoe | bfloat16 |" in capsys.readouterr().out
+    r = json.loads(out.read_text())["records"][0]
+    for k in ("moegrad_non_gemm_ms", "grouped_mm_non_gemm_ms", "moegrad_own_non_gemm_ms",
+              "grouped_mm_own_non_gemm_ms"):
+        assert r[k] > 0, k

@@ -7,6 +7,9 @@ bias update; outputs and every parameter gradient; torch.compile.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -260,6 +263,38 @@ def test_grouped_mm_large_outputs():
     assert torch.all(gw[1] == 0)
     for p, n in ((0, 0), (0, 1 << 30), (x.data_ptr() + 3, 1000), (x.data_ptr(), x.nbytes)):
         _C._advise_huge_pages(p, n)   # advice only: null, tiny and unaligned ranges are no-ops
+
+
+_HUGE_PAGE_PROBE = r"""
+import torch, moegrad
+x = torch.randn(2048, 3584)
+gx = moegrad.swiglu_group_quant_backward(torch.randn(2048, 1792), x)[0]  # a 29 MB output
+mid = (gx.data_ptr() + gx.nbytes // 2) & ~((2 << 20) - 1)
+vma = None
+for line in open("/proc/self/smaps"):
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+        lo, hi = (int(v, 16) for v in head.split("-"))
+        vma = lo <= mid < hi
+    elif head == "VmFlags:" and vma:
+        print("hg" in line.split()[1:])
+        break
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc smaps")
+@pytest.mark.parametrize("env, advised", [(None, False), ("0", False), ("1", True)])
+def test_operator_outputs_advised_onto_huge_pages_only_on_request(env, advised):
+    """L223: a large CPU output gets MADV_HUGEPAGE (VmFlags "hg" on its mapping) only with
+    MOEGRAD_HUGE_PAGES=1; by default and with 0 it is a plain allocation."""
+    e = dict(os.environ)
+    e.pop("MOEGRAD_HUGE_PAGES", None)
+    if env is not None:
+        e["MOEGRAD_HUGE_PAGES"] = env
+    out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=e, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(advised)], out.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

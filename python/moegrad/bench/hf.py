@@ -19,6 +19,7 @@ whole run fits a small machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -134,6 +135,113 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
     return res
 
 
+STUB_EVENT = "moegrad.bench::stub_gemm"
+
+
+class _StubGemm(torch.autograd.Function):
+    """Stands in for an expert GEMM (--stub-gemms): the output and the input gradient with the
+    shapes the real one gives, filled with 0.5 (what the GEMM would write, without its
+    arithmetic; uninitialised memory would feed denormals and NaNs to the next operator), inside
+    a profiler range that the split counts as GEMM time; the weight and bias gradients, which no
+    operator of the step reads, allocated in the real one's layout and left unwritten."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias):
+        ctx.a_shape, ctx.has_bias = a.shape, bias is not None
+        ctx.b_meta = torch.empty_strided(b.shape, b.stride(), device="meta")  # its layout
+        ctx.gbias_shape = None if bias is None else bias.shape
+        with torch.profiler.record_function(STUB_EVENT):
+            return a.new_empty((a.shape[0], b.shape[-1])).fill_(0.5)
+
+    @staticmethod
+    def backward(ctx, g):
+        from moegrad.nn.moe import _like_layout
+        gbias = g.new_empty(ctx.gbias_shape) if ctx.has_bias else None
+        with torch.profiler.record_function(STUB_EVENT):
+            ga = g.new_empty(ctx.a_shape).fill_(0.5)
+        # a fresh tensor that only autograd holds: AccumulateGrad takes it without a copy
+        return ga, _like_layout(g, ctx.b_meta), gbias
+
+
+@contextlib.contextmanager
+def _stubbed_expert_gemms():
+    """Every expert GEMM of both backends (torch's grouped GEMM, which transformers' grouped_mm
+    and moegrad.hf call, and moegrad.nn.grouped_mm) replaced by _StubGemm; the router's and the
+    shared experts' GEMMs stay real."""
+    import torch.nn.functional as F
+
+    import moegrad.hf as mh
+
+    def grouped(a, b, offs=None, bias=None, out_dtype=None):
+        return _StubGemm.apply(a, b, bias)
+
+    def moegrad_grouped(x, w, counts, host_counts=None, bias=None):
+        return _StubGemm.apply(x, w, bias)
+    targets = [(F, "grouped_mm", grouped), (torch, "_grouped_mm", grouped),
+               (mh, "_TORCH_GROUPED_MM", grouped), (mh, "grouped_mm", moegrad_grouped)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets if hasattr(mod, name)]
+    try:
+        for mod, name, fn in targets:
+            if hasattr(mod, name):
+                setattr(mod, name, fn)
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def run_stub_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, reps: int,
+                    seed: int = 0) -> Dict:
+    """CPU: the in-step non-GEMM split of grouped_mm and moegrad as run_config measures it, and
+    the same with every expert GEMM stubbed out (_stubbed_expert_gemms): what is left is each
+    backend's own non-GEMM work, without what the real GEMMs cost the rest of the step (the
+    caches they flush, the large buffers they fill and that are then unmapped, torch's
+    per-expert slicing inside its grouped GEMM)."""
+    import moegrad.hf as mh
+    torch.manual_seed(seed)
+    model, _ = _block(arch, H, I_, E, K, dtype, "cpu")
+    x = torch.randn(1, T, H, dtype=dtype)
+    g = torch.randn(1, T, H, dtype=dtype)
+
+    def step(mod):
+        def f():
+            xi = x.detach().requires_grad_(True)
+            y = mod(xi)
+            (y[0] if isinstance(y, tuple) else y).backward(g)
+            mod.zero_grad(set_to_none=True)
+        return f
+    router = {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
+    models = {"grouped_mm": _shared_copy(model), "moegrad": _shared_copy(model)}
+    models["grouped_mm"].set_experts_implementation("grouped_mm")
+    mh.apply(models["moegrad"])
+    res: Dict = dict(arch=arch, H=H, I=I_, E=E, K=K, T=T, device="cpu",
+                     dtype=str(dtype).replace("torch.", ""))
+    for n, m in models.items():
+        f = step(_find_block(m))
+        f()
+        res[f"{n}_non_gemm_ms"] = _in_step_split(f, reps, router)["non_gemm_ms"]
+        with _stubbed_expert_gemms():
+            f()
+            res[f"{n}_own_non_gemm_ms"] = _in_step_split(f, reps, router,
+                                                         STUB_EVENT)["non_gemm_ms"]
+    res["non_gemm_speedup_vs_grouped_mm"] = (res["grouped_mm_non_gemm_ms"]
+                                             / res["moegrad_non_gemm_ms"])
+    res["own_non_gemm_speedup_vs_grouped_mm"] = (res["grouped_mm_own_non_gemm_ms"]
+                                                 / res["moegrad_own_non_gemm_ms"])
+    return res
+
+
+STUB_HEADER = ("| arch | dtype | T | non-GEMM ms moegrad / grouped_mm | x non-GEMM | "
+               "GEMMs stubbed: non-GEMM ms moegrad / grouped_mm | x |")
+
+
+def stub_row(r: Dict) -> str:
+    return (f"| {r['arch']} | {r['dtype']} | {r['T']} | {r['moegrad_non_gemm_ms']:.1f} / "
+            f"{r['grouped_mm_non_gemm_ms']:.1f} | {r['non_gemm_speedup_vs_grouped_mm']:.2f} | "
+            f"{r['moegrad_own_non_gemm_ms']:.1f} / {r['grouped_mm_own_non_gemm_ms']:.1f} | "
+            f"{r['own_non_gemm_speedup_vs_grouped_mm']:.2f} |")
+
+
 HEADER = ("| arch | dtype | T | moegrad ms | eager ms | grouped_mm ms | compile ms | "
           "x eager | x best | non-GEMM ms moegrad / grouped_mm | x non-GEMM | peak MB moegrad / "
           "grouped_mm |")
@@ -167,9 +275,14 @@ def main(argv: List[str]) -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny shapes (H, I, E, K = {QUICK}, T=64, 1 rep): a smoke test")
+    p.add_argument("--stub-gemms", action="store_true",
+                   help="CPU: only the non-GEMM split of grouped_mm and moegrad, with the real "
+                        "expert GEMMs and with them stubbed out")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
     a = p.parse_args(argv)
+    if a.stub_gemms and a.device != "cpu":
+        p.error("--stub-gemms: the split is measured on the CPU (--device cpu)")
     archs = a.archs.split(",")
     unknown = [x for x in archs if x not in SHAPES]
     if unknown:
@@ -181,18 +294,23 @@ def main(argv: List[str]) -> int:
     moegrad.set_num_threads(a.threads)
     records = []
     try:
-        print(HEADER)
-        print("|" + "---|" * (HEADER.count("|") - 1))
+        header = STUB_HEADER if a.stub_gemms else HEADER
+        fmt = stub_row if a.stub_gemms else row
+        print(header)
+        print("|" + "---|" * (header.count("|") - 1))
         for arch in archs:
             H, I_, E, K, _ = SHAPES[arch]
             H, I_ = H // a.scale, I_ // a.scale
             if a.quick:
                 H, I_, E, K = QUICK
             for name in a.dtypes.split(","):
-                r = run_config(arch, H, I_, E, K, a.tokens, _DTYPES[name], a.device, a.reps,
-                               compile_best=not a.no_compile)
+                if a.stub_gemms:
+                    r = run_stub_config(arch, H, I_, E, K, a.tokens, _DTYPES[name], a.reps)
+                else:
+                    r = run_config(arch, H, I_, E, K, a.tokens, _DTYPES[name], a.device,
+                                   a.reps, compile_best=not a.no_compile)
                 records.append(r)
-                print(row(r))
+                print(fmt(r))
                 sys.stdout.flush()
     finally:
         torch.set_num_threads(prev[0])
@@ -205,7 +323,8 @@ def main(argv: List[str]) -> int:
             json.dump(dict(meta=meta, records=records), f, indent=2)
     if a.markdown:
         with open(a.markdown, "w") as f:
-            f.write(HEADER + "\n" + "|" + "---|" * (HEADER.count("|") - 1) + "\n")
-            f.write("\n".join(row(r) for r in records) + "\n")
-    bad = [r for r in records if not math.isfinite(r["moegrad_ms"])]
+            f.write(header + "\n" + "|" + "---|" * (header.count("|") - 1) + "\n")
+            f.write("\n".join(fmt(r) for r in records) + "\n")
+    key = "moegrad_own_non_gemm_ms" if a.stub_gemms else "moegrad_ms"
+    bad = [r for r in records if not math.isfinite(r[key])]
     return 1 if bad else 0

@@ -149,10 +149,12 @@ def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[st
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
 
 
-def _in_step_split(fn: Callable[[], None], reps: int, router_shapes) -> Dict[str, float]:
+def _in_step_split(fn: Callable[[], None], reps: int, router_shapes,
+                   stub_event: str = "") -> Dict[str, float]:
     """CPU: the expert GEMMs' own time inside the real step, from the profiler (self CPU time of
-    every GEMM op, the router's three GEMMs excepted: their operand shapes are router_shapes),
-    and the rest of the step (its wall time minus that), medians over reps profiled steps.
+    every GEMM op, the router's three GEMMs excepted: their operand shapes are router_shapes,
+    plus the whole time of the ranges named stub_event, where a stub stands in for a GEMM), and
+    the rest of the step (its wall time minus that), medians over reps profiled steps.
     fn is already warm (run_config times it first)."""
     from torch.profiler import ProfilerActivity, profile
     gemm, rest, walls = [], [], []
@@ -163,6 +165,8 @@ def _in_step_split(fn: Callable[[], None], reps: int, router_shapes) -> Dict[str
             wall = time.perf_counter() - t0
         g = sum(e.self_cpu_time_total for e in prof.events() if e.name in _GEMM_OPS
                 and tuple(tuple(s) for s in e.input_shapes[:2]) not in router_shapes) * 1e-6
+        if stub_event:
+            g += sum(e.cpu_time_total for e in prof.events() if e.name == stub_event) * 1e-6
         gemm.append(g)
         rest.append(wall - g)
         walls.append(wall)
