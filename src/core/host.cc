@@ -113,12 +113,7 @@ const int32_t* index32(const TensorView& t, int32_t* scratch) {
 void advise_huge_pages(void* data, uint64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  // Opt-in (L223): read once, at the first large output.
-  static const bool enabled = [] {
-    const char* v = std::getenv("MOEGRAD_HUGE_PAGES");
-    return v != nullptr && std::string_view(v) == "1";
-  }();
-  if (data == nullptr || !enabled) return;
+  if (data == nullptr) return;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
   const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
   const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
@@ -134,7 +129,18 @@ void advise_huge_pages(void* data, uint64_t bytes) {
 
 void advise_output(const TensorView& t) {
   if (t.device != Device::kCPU || t.data == nullptr) return;
-  advise_huge_pages(t.data, static_cast<uint64_t>(t.numel() * dtype_size(t.dtype)));
+  // L223: by default only outputs of at least 32 MiB, glibc's largest mmap threshold: those are
+  // always fresh mappings, faulted in page by page. Smaller ones may come back from the heap
+  // already faulted, and advising them only made training steps slow at random.
+  // MOEGRAD_HUGE_PAGES=0: never; 1: every output of at least two huge pages. Read once.
+  static const uint64_t min_bytes = [] {
+    const char* v = std::getenv("MOEGRAD_HUGE_PAGES");
+    if (v != nullptr && std::string_view(v) == "0") return ~uint64_t{0};
+    if (v != nullptr && std::string_view(v) == "1") return uint64_t{0};
+    return uint64_t{32} << 20;
+  }();
+  const uint64_t bytes = static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype);
+  if (bytes >= min_bytes && min_bytes != ~uint64_t{0}) advise_huge_pages(t.data, bytes);
 }
 
 }  // namespace moegrad

@@ -26,11 +26,10 @@ Slot index_scratch(WorkspaceLayout& layout, const TensorView& t);
 // values narrowed into `scratch` (stage one checked that they fit).
 const int32_t* index32(const TensorView& t, int32_t* scratch);
 
-// With MOEGRAD_HUGE_PAGES=1 in the environment (read once), advises the kernel to back a large
-// host output with transparent huge pages before it is first written: one fault per 2 MiB
-// instead of per 4 KiB. Off by default (docs/decisions.md L223): where the huge page comes from
-// memory the host has taken back (a VM with free page reporting) the fault costs far more.
-// Advice only; a no-op where unsupported.
+// Advises the kernel to back a large host output with transparent huge pages before it is first
+// written: one fault per 2 MiB instead of per 4 KiB. By default only outputs of at least 32 MiB;
+// MOEGRAD_HUGE_PAGES=0 never, =1 every output of at least two huge pages (docs/decisions.md
+// L223). Advice only; a no-op where unsupported.
 void advise_output(const TensorView& t);
 // The same for `bytes` of host memory at `data` (only whole 2 MiB pages inside it, and only
 // when there are at least two); the Python front uses it for the expert GEMMs' outputs.

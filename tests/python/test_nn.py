@@ -266,9 +266,10 @@ def test_grouped_mm_large_outputs():
 
 
 _HUGE_PAGE_PROBE = r"""
-import torch, moegrad
-x = torch.randn(2048, 3584)
-gx = moegrad.swiglu_group_quant_backward(torch.randn(2048, 1792), x)[0]  # a 29 MB output
+import sys, torch, moegrad
+rows = int(sys.argv[1])
+x = torch.randn(rows, 3584)
+gx = moegrad.swiglu_group_quant_backward(torch.randn(rows, 1792), x)[0]  # rows * 14 KiB
 mid = (gx.data_ptr() + gx.nbytes // 2) & ~((2 << 20) - 1)
 vma = None
 for line in open("/proc/self/smaps"):
@@ -283,16 +284,18 @@ for line in open("/proc/self/smaps"):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc smaps")
-@pytest.mark.parametrize("env, advised", [(None, False), ("0", False), ("1", True)])
-def test_operator_outputs_advised_onto_huge_pages_only_on_request(env, advised):
-    """L223: a large CPU output gets MADV_HUGEPAGE (VmFlags "hg" on its mapping) only with
-    MOEGRAD_HUGE_PAGES=1; by default and with 0 it is a plain allocation."""
+@pytest.mark.parametrize("env, rows, advised", [
+    (None, 2048, False), (None, 4096, True),      # 29 MB and 59 MB outputs: 32 MiB threshold
+    ("0", 4096, False), ("1", 2048, True), ("1", 4096, True)])
+def test_operator_outputs_advised_onto_huge_pages(env, rows, advised):
+    """L223: a CPU operator's output gets MADV_HUGEPAGE (VmFlags "hg" on its mapping) by default
+    from 32 MiB, never with MOEGRAD_HUGE_PAGES=0, from two huge pages with =1."""
     e = dict(os.environ)
     e.pop("MOEGRAD_HUGE_PAGES", None)
     if env is not None:
         e["MOEGRAD_HUGE_PAGES"] = env
-    out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=e, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE, str(rows)], env=e,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(advised)], out.stdout
 
