@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -73,6 +74,22 @@ def _find_block(model):
     raise RuntimeError(f"{type(model).__name__}: no top-k MoE block")
 
 
+def _step(mod, x, g):
+    """One forward + backward of block `mod` on x with upstream gradient g, as a callable."""
+    def f():
+        xi = x.detach().requires_grad_(True)
+        y = mod(xi)
+        (y[0] if isinstance(y, tuple) else y).backward(g)
+        mod.zero_grad(set_to_none=True)
+    return f
+
+
+def _router_shapes(T: int, H: int, E: int):
+    """Operand shapes of the router's three GEMMs (forward, and its two backward products):
+    the in-step split counts them as non-GEMM."""
+    return {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
+
+
 def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device: str,
                reps: int, compile_best: bool = True, seed: int = 0) -> Dict:
     import moegrad.hf as mh
@@ -82,17 +99,10 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
     g = torch.randn(1, T, H, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def step(mod):
-        def f():
-            xi = x.detach().requires_grad_(True)
-            y = mod(xi)
-            (y[0] if isinstance(y, tuple) else y).backward(g)
-            mod.zero_grad(set_to_none=True)
-        return f
-
+    step = functools.partial(_step, x=x, g=g)
     res: Dict = dict(arch=arch, H=H, I=I_, E=E, K=K, T=T, device=device,
                      dtype=str(dtype).replace("torch.", ""))
-    router = {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
+    router = _router_shapes(T, H, E)
     # One model per backend, all on the same weight tensors.
     models = {}
     for impl in ("eager", "grouped_mm"):
@@ -203,14 +213,8 @@ def run_stub_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, r
     x = torch.randn(1, T, H, dtype=dtype)
     g = torch.randn(1, T, H, dtype=dtype)
 
-    def step(mod):
-        def f():
-            xi = x.detach().requires_grad_(True)
-            y = mod(xi)
-            (y[0] if isinstance(y, tuple) else y).backward(g)
-            mod.zero_grad(set_to_none=True)
-        return f
-    router = {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
+    step = functools.partial(_step, x=x, g=g)
+    router = _router_shapes(T, H, E)
     models = {"grouped_mm": _shared_copy(model), "moegrad": _shared_copy(model)}
     models["grouped_mm"].set_experts_implementation("grouped_mm")
     mh.apply(models["moegrad"])
