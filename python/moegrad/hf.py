@@ -223,6 +223,8 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
         # transformers' expert parallelism: the ids are this rank's local ones, and id E (its
         # num_experts) marks a route to another rank's expert. Those slots fall outside the
         # active window [0, E): no row, index -1, no contribution, no gradient (L221).
+        if idx.device.type == "cpu" and idx.numel() and int(idx.min()) < 0:
+            raise _err("top_k_index", "expert ids must be >= 0", int(idx.min()))
         off_rank = idx >= E
         idx = idx.clamp(max=E)
         w = w.masked_fill(off_rank, 0.0)

@@ -31,8 +31,8 @@ const int32_t* index32(const TensorView& t, int32_t* scratch);
 // MOEGRAD_HUGE_PAGES=0 never, =1 every output of at least two huge pages (docs/decisions.md
 // L223). Advice only; a no-op where unsupported.
 void advise_output(const TensorView& t);
-// The same for `bytes` of host memory at `data` (only whole 2 MiB pages inside it, and only
-// when there are at least two); the Python front uses it for the expert GEMMs' outputs.
+// The advice itself, for `bytes` of host memory at `data`, whatever its size and the variable:
+// only whole 2 MiB pages inside it, and only when there are at least two.
 void advise_huge_pages(void* data, uint64_t bytes);
 
 }  // namespace moegrad

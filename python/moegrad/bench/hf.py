@@ -85,9 +85,10 @@ def _step(mod, x, g):
 
 
 def _router_shapes(T: int, H: int, E: int):
-    """Operand shapes of the router's three GEMMs (forward, and its two backward products):
-    the in-step split counts them as non-GEMM."""
-    return {((T, H), (H, E)), ((T, E), (E, H)), ((E, T), (T, H))}
+    """Operand shapes (first two) of the router's GEMMs: the forward (mm, or addmm with the
+    router bias first, GPT-OSS) and its two backward products. The in-step split counts them
+    as non-GEMM."""
+    return {((T, H), (H, E)), ((E,), (T, H)), ((T, E), (E, H)), ((E, T), (T, H))}
 
 
 def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device: str,
@@ -175,10 +176,11 @@ class _StubGemm(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _stubbed_expert_gemms():
-    """Every expert GEMM of both backends (torch's grouped GEMM, which transformers' grouped_mm
-    and moegrad.hf call, and moegrad.nn.grouped_mm) replaced by _StubGemm; the router's and the
-    shared experts' GEMMs stay real."""
+    """Every expert GEMM of both backends (transformers' grouped-GEMM dispatcher, torch's grouped
+    GEMM, which it and moegrad.hf call, and moegrad.nn.grouped_mm) replaced by _StubGemm; the
+    router's and the shared experts' GEMMs stay real."""
     import torch.nn.functional as F
+    import transformers.integrations.moe as tm
 
     import moegrad.hf as mh
 
@@ -187,8 +189,11 @@ def _stubbed_expert_gemms():
 
     def moegrad_grouped(x, w, counts, host_counts=None, bias=None):
         return _StubGemm.apply(x, w, bias)
+    # transformers' own dispatcher too: on an older torch it routes to its per-expert fallback
+    # op, which the torch-level patches would not reach.
     targets = [(F, "grouped_mm", grouped), (torch, "_grouped_mm", grouped),
-               (mh, "_TORCH_GROUPED_MM", grouped), (mh, "grouped_mm", moegrad_grouped)]
+               (tm, "_grouped_mm", grouped), (mh, "_TORCH_GROUPED_MM", grouped),
+               (mh, "grouped_mm", moegrad_grouped)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets if hasattr(mod, name)]
     try:
         for mod, name, fn in targets:
