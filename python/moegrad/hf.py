@@ -230,7 +230,8 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
         w = w.masked_fill(off_rank, 0.0)
         rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E + 1,
                                                      active_expert_range=[0, E])
-        idx = idx.clamp(max=E - 1)  # an in-range bias row for a slot whose scale is 0
+        if has_bias:
+            idx = idx.clamp(max=E - 1)  # an in-range bias row for a slot whose scale is 0
     else:
         rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
     w_up, w_down = _weight(m, "gate_up_proj"), _weight(m, "down_proj")

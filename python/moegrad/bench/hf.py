@@ -84,6 +84,18 @@ def _step(mod, x, g):
     return f
 
 
+def _case(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device: str, seed: int):
+    """(model, step, record) of one configuration: the seeded block, a step builder on its
+    random input and upstream gradient [1, T, H], and the record's identifying fields."""
+    torch.manual_seed(seed)
+    model, _ = _block(arch, H, I_, E, K, dtype, device)
+    x = torch.randn(1, T, H, device=device, dtype=dtype)
+    g = torch.randn(1, T, H, device=device, dtype=dtype)
+    res: Dict = dict(arch=arch, H=H, I=I_, E=E, K=K, T=T, device=device,
+                     dtype=str(dtype).replace("torch.", ""))
+    return model, functools.partial(_step, x=x, g=g), res
+
+
 def _router_shapes(T: int, H: int, E: int):
     """Operand shapes (first two) of the router's GEMMs: the forward (mm, or addmm with the
     router bias first, GPT-OSS) and its two backward products. The in-step split counts them
@@ -94,15 +106,8 @@ def _router_shapes(T: int, H: int, E: int):
 def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device: str,
                reps: int, compile_best: bool = True, seed: int = 0) -> Dict:
     import moegrad.hf as mh
-    torch.manual_seed(seed)
-    model, _ = _block(arch, H, I_, E, K, dtype, device)
-    x = torch.randn(1, T, H, device=device, dtype=dtype)
-    g = torch.randn(1, T, H, device=device, dtype=dtype)
+    model, step, res = _case(arch, H, I_, E, K, T, dtype, device, seed)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    step = functools.partial(_step, x=x, g=g)
-    res: Dict = dict(arch=arch, H=H, I=I_, E=E, K=K, T=T, device=device,
-                     dtype=str(dtype).replace("torch.", ""))
     router = _router_shapes(T, H, E)
     # One model per backend, all on the same weight tensors.
     models = {}
@@ -194,11 +199,11 @@ def _stubbed_expert_gemms():
     targets = [(F, "grouped_mm", grouped), (torch, "_grouped_mm", grouped),
                (tm, "_grouped_mm", grouped), (mh, "_TORCH_GROUPED_MM", grouped),
                (mh, "grouped_mm", moegrad_grouped)]
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets if hasattr(mod, name)]
+    targets = [(mod, name, fn) for mod, name, fn in targets if hasattr(mod, name)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in targets]
     try:
         for mod, name, fn in targets:
-            if hasattr(mod, name):
-                setattr(mod, name, fn)
+            setattr(mod, name, fn)
         yield
     finally:
         for mod, name, fn in saved:
@@ -213,18 +218,11 @@ def run_stub_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, r
     caches they flush, the large buffers they fill and that are then unmapped, torch's
     per-expert slicing inside its grouped GEMM)."""
     import moegrad.hf as mh
-    torch.manual_seed(seed)
-    model, _ = _block(arch, H, I_, E, K, dtype, "cpu")
-    x = torch.randn(1, T, H, dtype=dtype)
-    g = torch.randn(1, T, H, dtype=dtype)
-
-    step = functools.partial(_step, x=x, g=g)
+    model, step, res = _case(arch, H, I_, E, K, T, dtype, "cpu", seed)
     router = _router_shapes(T, H, E)
     models = {"grouped_mm": _shared_copy(model), "moegrad": _shared_copy(model)}
     models["grouped_mm"].set_experts_implementation("grouped_mm")
     mh.apply(models["moegrad"])
-    res: Dict = dict(arch=arch, H=H, I=I_, E=E, K=K, T=T, device="cpu",
-                     dtype=str(dtype).replace("torch.", ""))
     for n, m in models.items():
         f = step(_find_block(m))
         f()
