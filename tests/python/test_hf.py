@@ -118,13 +118,21 @@ ROUTER_REL_FACTOR = 10.0
 # hc_head.hc_fn exceeded the bound in 2 of 40 seeds (1.19x at worst); transformers' own grouped_mm
 # backend reaches 0.63x of that bound against eager.
 OUTSIDE_FLOOR = 1e-2
+# A router's bias gradient is a per-expert sum over tokens of logit gradients of both signs, so it
+# can cancel to far below its terms (one CI draw of GPT-OSS: 3.8e-6 against a model maximum near
+# 0.2, its rounding 2.7x a bound taken from that cancelled sum). It gets the same floor; over 160
+# seeds its error stays under 0.08 of the floored bound, and a dropped bias gradient still fails.
+
+
+def _floored(name):
+    return not _is_moe_param(name) or (_is_router_param(name) and name.endswith(".bias"))
 
 
 def _check_grads(ref, pat, rel=FP32_REL):
     """Every parameter gradient: relative to the tensor's largest gradient for the MoE block's
-    own parameters (routers ROUTER_REL_FACTOR looser); elsewhere floored at OUTSIDE_FLOOR of the
-    model's largest gradient element (a gradient that is a near-cancelling sum carries rounding
-    noise at the scale of its terms)."""
+    own parameters (routers ROUTER_REL_FACTOR looser); router biases and everything outside the
+    block floored at OUTSIDE_FLOOR of the model's largest gradient element (a gradient that is a
+    near-cancelling sum carries rounding noise at the scale of its terms)."""
     grads = [(n, p1.grad, p2.grad) for (n, p1), (_, p2) in
              zip(ref.named_parameters(), pat.named_parameters())]
     assert all((g1 is None) == (g2 is None) for _, g1, g2 in grads)
@@ -134,7 +142,7 @@ def _check_grads(ref, pat, rel=FP32_REL):
         if g1 is None:
             continue
         scale = g1.abs().max().item()
-        if not _is_moe_param(name):
+        if _floored(name):
             scale = max(scale, OUTSIDE_FLOOR * gmax)
         tol = rel * (ROUTER_REL_FACTOR if _is_router_param(name) else 1.0)
         err = (g1.float() - g2.float()).abs().max().item()
