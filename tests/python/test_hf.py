@@ -713,6 +713,83 @@ def test_bench_hf_backends_share_weights_and_rounds_rotate():
     assert calls == list("abc") + list("abc") + list("bca") + list("cab")
 
 
+def test_bench_split_counts_a_grouped_gemm_whole():
+    """The in-step split's GEMM time (L224) on one profiled step: torch's CPU grouped GEMM
+    counts whole, with the per-expert slicing it does inside itself and without counting its
+    own per-expert mm calls a second time; a GEMM with the router's operand shapes counts as
+    non-GEMM."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moegrad.bench.layer import _GEMM_OPS, _gemm_seconds
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    E, T, H = 32, 96, 16
+    x, w = torch.randn(T, H), torch.randn(E, H, 8)
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * (T // E)
+    r = torch.randn(T, H)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch._grouped_mm(x, w, offs=offs)
+        torch.mm(r, torch.randn(H, 4))  # router-shaped below
+    ev = prof.events()
+    grouped = [e for e in ev if e.name == "aten::_grouped_mm"]
+    inner = [e for e in ev if e.name == "aten::mm" and e.cpu_parent is not None]
+    assert len(grouped) == 1 and len(inner) >= E  # torch's CPU grouped GEMM: a mm per expert
+    router = {((T, H), (H, 4))}
+    got = _gemm_seconds(ev, router)
+    assert got == pytest.approx(grouped[0].cpu_time_total * 1e-6, rel=1e-9)
+    # the self-time sum this replaces is smaller: the slicing inside the grouped GEMM is missing
+    self_sum = sum(e.self_cpu_time_total for e in ev if e.name in _GEMM_OPS
+                   and tuple(tuple(s) for s in e.input_shapes[:2]) not in router) * 1e-6
+    assert self_sum < got
+    assert _gemm_seconds(ev, set()) > got  # the router's mm, once it is not excepted
+
+
+def test_bench_timers_reset_each_step_outside_the_timing():
+    """A step's reset (freeing the weight gradients, L224) runs after every call of the step in
+    every timer, warm-up included, and never inside a profiled region; a transformers block's
+    step leaves its weight gradients set until its reset frees them."""
+    from moegrad.bench import hf as bh
+    from moegrad.bench.layer import _cpu_peak_bytes, _in_step_split, _interleaved, _time
+
+    class Fake:
+        def __init__(self, log, name):
+            self.log, self.name = log, name
+
+        def __call__(self):
+            self.log.append(("call", self.name, torch.autograd._profiler_enabled()))
+
+        def reset(self):
+            self.log.append(("reset", self.name, torch.autograd._profiler_enabled()))
+
+    def check(log, n_calls):
+        assert [k for k, _, _ in log] == ["call", "reset"] * n_calls
+        assert not any(p for k, _, p in log if k == "reset")
+
+    log = []
+    _time(Fake(log, "a"), 3, lambda: None)
+    check(log, 4)
+    log = []
+    _in_step_split(Fake(log, "a"), 2, set())
+    check(log, 2)
+    assert all(p for k, _, p in log if k == "call")  # the call itself is profiled
+    log = []
+    _cpu_peak_bytes(Fake(log, "a"))
+    check(log, 1)
+    log = []
+    _interleaved({"a": Fake(log, "a"), "b": Fake(log, "b")}, 2, lambda: None)
+    # warm-ups, then rounds in rotated order (a b, then b a)
+    assert [(k, n) for k, n, _ in log] == [(k, n) for n in "ababba" for k in ("call", "reset")]
+
+    model = _build("qwen3_moe", layers=1)
+    blk = bh._find_block(model)
+    x = torch.randn(1, 8, model.config.hidden_size)
+    step = bh._Step(blk, x, torch.randn_like(x))
+    step()
+    assert all(p.grad is not None for p in blk.parameters() if p.requires_grad)
+    step.reset()
+    assert all(p.grad is None for p in blk.parameters())
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_bench_hf_stub_gemms_replace_every_expert_gemm(arch):
     """--stub-gemms (L222): inside the context no expert GEMM runs in either backend (only the

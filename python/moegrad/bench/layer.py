@@ -89,15 +89,26 @@ class TorchMoELayer(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------- timing --
+def _settle(fn: Callable[[], None]) -> None:
+    """The untimed end of a step: fn.reset() where the step has one (a transformers block's
+    step frees the weight gradients it left there, which is neither forward nor backward work,
+    docs/hf.md). Every timer calls it after each call of fn, warm-up included."""
+    reset = getattr(fn, "reset", None)
+    if reset is not None:
+        reset()
+
+
 def _time(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
     fn()                                  # warm-up (and compilation)
     sync()
+    _settle(fn)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
+        _settle(fn)
     return statistics.median(ts)
 
 
@@ -109,6 +120,7 @@ def _interleaved(fns: Dict[str, Callable[[], None]], reps: int,
     for fn in fns.values():
         fn()
         sync()
+        _settle(fn)
     names = list(fns)
     ts: Dict[str, List[float]] = {n: [] for n in names}
     for r in range(reps):
@@ -118,6 +130,7 @@ def _interleaved(fns: Dict[str, Callable[[], None]], reps: int,
             fns[n]()
             sync()
             ts[n].append(time.perf_counter() - t0)
+            _settle(fns[n])
     return {n: statistics.median(v) for n, v in ts.items()}
 
 
@@ -149,13 +162,34 @@ def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[st
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
 
 
+def _inside_gemm(event) -> bool:
+    p = event.cpu_parent
+    while p is not None:
+        if p.name in _GEMM_OPS:
+            return True
+        p = p.cpu_parent
+    return False
+
+
+def _gemm_seconds(events, router_shapes, stub_event: str = "") -> float:
+    """GEMM time of one profiled step (the in-step split, L100 / L224): the whole time of every
+    outermost GEMM op (one called inside another counts once), those with the router's operand
+    shapes excepted, plus the whole time of the ranges named stub_event."""
+    g = sum(e.cpu_time_total for e in events if e.name in _GEMM_OPS and not _inside_gemm(e)
+            and tuple(tuple(s) for s in e.input_shapes[:2]) not in router_shapes)
+    if stub_event:
+        g += sum(e.cpu_time_total for e in events if e.name == stub_event)
+    return g * 1e-6
+
+
 def _in_step_split(fn: Callable[[], None], reps: int, router_shapes,
                    stub_event: str = "") -> Dict[str, float]:
-    """CPU: the expert GEMMs' own time inside the real step, from the profiler (self CPU time of
-    every GEMM op, the router's three GEMMs excepted: their operand shapes are router_shapes,
-    plus the whole time of the ranges named stub_event, where a stub stands in for a GEMM), and
-    the rest of the step (its wall time minus that), medians over reps profiled steps.
-    fn is already warm (run_config times it first)."""
+    """CPU: the expert GEMMs' time inside the real step (_gemm_seconds: torch's CPU grouped GEMM
+    slices its operands expert by expert inside itself, and that counts as GEMM; the router's
+    three GEMMs, recognised by router_shapes, count as non-GEMM; a range named stub_event, where
+    a stub stands in for a GEMM, counts as GEMM), and the rest of the step (its wall time minus
+    that), medians over reps profiled steps. fn's reset, if any, runs after each profiled step,
+    outside the profile. fn is already warm (run_config times it first)."""
     from torch.profiler import ProfilerActivity, profile
     gemm, rest, walls = [], [], []
     for _ in range(reps):
@@ -163,10 +197,8 @@ def _in_step_split(fn: Callable[[], None], reps: int, router_shapes,
             t0 = time.perf_counter()
             fn()
             wall = time.perf_counter() - t0
-        g = sum(e.self_cpu_time_total for e in prof.events() if e.name in _GEMM_OPS
-                and tuple(tuple(s) for s in e.input_shapes[:2]) not in router_shapes) * 1e-6
-        if stub_event:
-            g += sum(e.cpu_time_total for e in prof.events() if e.name == stub_event) * 1e-6
+        _settle(fn)
+        g = _gemm_seconds(prof.events(), router_shapes, stub_event)
         gemm.append(g)
         rest.append(wall - g)
         walls.append(wall)
@@ -179,6 +211,7 @@ def _cpu_peak_bytes(fn: Callable[[], None]) -> int:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    _settle(fn)
     events = sorted((e for e in prof.events() if e.self_cpu_memory_usage != 0),
                     key=lambda e: e.time_range.start)
     cur = peak = 0
@@ -195,7 +228,9 @@ def _peak_bytes(fn: Callable[[], None], device: str) -> int:
         base = torch.cuda.memory_allocated()
         fn()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        peak = torch.cuda.max_memory_allocated() - base
+        _settle(fn)
+        return peak
     return _cpu_peak_bytes(fn)
 
 
