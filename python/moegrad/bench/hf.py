@@ -226,8 +226,7 @@ def run_stub_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, r
     """CPU: the in-step non-GEMM split of grouped_mm and moegrad as run_config measures it, and
     the same with every expert GEMM stubbed out (_stubbed_expert_gemms): what is left is each
     backend's own non-GEMM work, without what the real GEMMs cost the rest of the step (the
-    caches they flush, the large buffers they fill and that are then unmapped, torch's
-    per-expert slicing inside its grouped GEMM)."""
+    caches they flush, the large outputs they fill)."""
     import moegrad.hf as mh
     model, step, res = _case(arch, H, I_, E, K, T, dtype, "cpu", seed)
     router = _router_shapes(T, H, E)
