@@ -767,8 +767,8 @@ def test_bench_timers_reset_each_step_outside_the_timing(monkeypatch):
     monkeypatch.setattr(_time_mod, "perf_counter", clock)
 
     class Fake:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, name, profiled=False):
+            self.name, self.profiled = name, profiled
 
         def __call__(self):
             log.append("call " + self.name)
@@ -778,22 +778,17 @@ def test_bench_timers_reset_each_step_outside_the_timing(monkeypatch):
             log.append("reset " + self.name)
             assert not torch.autograd._profiler_enabled()
 
-    def fake(name, profiled=False):
-        f = Fake(name)
-        f.profiled = profiled
-        return f
-
-    _time(fake("a"), 3, lambda: None)
+    _time(Fake("a"), 3, lambda: None)
     assert log == ["call a", "reset a"] + ["t", "call a", "t", "reset a"] * 3
     log.clear()
-    _in_step_split(fake("a", profiled=True), 2, set())
+    _in_step_split(Fake("a", profiled=True), 2, set())
     assert [e for e in log if e != "t"] == ["call a", "reset a"] * 2
     assert all(log[i - 1] == "t" for i, e in enumerate(log) if e == "reset a")
     log.clear()
-    _cpu_peak_bytes(fake("a", profiled=True))
+    _cpu_peak_bytes(Fake("a", profiled=True))
     assert [e for e in log if e != "t"] == ["call a", "reset a"]
     log.clear()
-    _interleaved({"a": fake("a"), "b": fake("b")}, 2, lambda: None)
+    _interleaved({"a": Fake("a"), "b": Fake("b")}, 2, lambda: None)
     # warm-ups, then rounds in rotated order (a b, then b a), each timed call then its reset
     assert log == ["call a", "reset a", "call b", "reset b"] + [
         e for n in "abba" for e in ("t", "call " + n, "t", "reset " + n)]

@@ -33,6 +33,7 @@ from typing import Dict, List
 import torch
 
 import moegrad
+from moegrad.nn.moe import _like_layout
 
 from .layer import _in_step_split, _interleaved, _peak_bytes, _time
 
@@ -182,7 +183,6 @@ class _StubGemm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from moegrad.nn.moe import _like_layout
         gbias = g.new_empty(ctx.gbias_shape) if ctx.has_bias else None
         with torch.profiler.record_function(STUB_EVENT):
             ga = g.new_empty(ctx.a_shape).fill_(0.5)
