@@ -3,10 +3,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <array>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "core/check.h"
@@ -280,6 +282,13 @@ NB_MODULE(_C, m) {
   m.def("_advise_huge_pages", [](uintptr_t data, uint64_t bytes) {
     advise_huge_pages(reinterpret_cast<void*>(data), bytes);
   }, nb::arg("data"), nb::arg("bytes"));
+  // The operators' advice policy (core/host.h): the smallest output advised for a
+  // MOEGRAD_HUGE_PAGES value (None: unset), with or without free page reporting; -1 for never.
+  m.def("_huge_page_min_bytes", [](std::optional<std::string> setting, bool reporting) {
+    const uint64_t b = huge_page_min_bytes(setting ? setting->c_str() : nullptr, reporting);
+    return b == ~uint64_t{0} ? int64_t{-1} : static_cast<int64_t>(b);
+  }, nb::arg("setting").none(), nb::arg("reporting"));
+  m.def("_free_page_reporting", &free_page_reporting);
   // The benchmark's streaming roof (core/stream_probe.h): fp32 buffers given by address and
   // element count (torch data_ptr / numel), on moegrad's thread count.
   m.def("_stream_read", [](uintptr_t data, int64_t n) {

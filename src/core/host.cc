@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "core/host_simd.h"
 
 #if defined(__linux__)
+#include <glob.h>
 #include <sys/mman.h>
 #endif
 
@@ -127,18 +130,44 @@ void advise_huge_pages(void* data, uint64_t bytes) {
 #endif
 }
 
+bool free_page_reporting() {
+#if defined(__linux__)
+  // Each virtio device's features file is a string of '0'/'1', bit 0 first; the balloon's bit 5
+  // is VIRTIO_BALLOON_F_REPORTING.
+  glob_t g{};
+  bool on = false;
+  if (glob("/sys/bus/virtio/drivers/virtio_balloon/*/features", 0, nullptr, &g) == 0) {
+    for (size_t i = 0; i < g.gl_pathc && !on; ++i) {
+      std::ifstream f(g.gl_pathv[i]);
+      std::string bits;
+      on = static_cast<bool>(f >> bits) && bits.size() > 5 && bits[5] == '1';
+    }
+  }
+  globfree(&g);
+  return on;
+#else
+  return false;
+#endif
+}
+
+uint64_t huge_page_min_bytes(const char* setting, bool reporting) {
+  constexpr uint64_t kNever = ~uint64_t{0};
+  const std::string_view v = setting == nullptr ? std::string_view() : std::string_view(setting);
+  if (v == "0") return kNever;
+  if (v == "1") return 0;
+  if (v == "2") return uint64_t{32} << 20;
+  return reporting ? kNever : uint64_t{32} << 20;
+}
+
 void advise_output(const TensorView& t) {
   if (t.device != Device::kCPU || t.data == nullptr) return;
-  // L223: by default only outputs of at least 32 MiB, glibc's largest mmap threshold: those are
-  // always fresh mappings, faulted in page by page. Smaller ones may come back from the heap
-  // already faulted, and advising them only made training steps slow at random.
-  // MOEGRAD_HUGE_PAGES=0: never; 1: every output of at least two huge pages. Read once.
-  static const uint64_t min_bytes = [] {
-    const char* v = std::getenv("MOEGRAD_HUGE_PAGES");
-    if (v != nullptr && std::string_view(v) == "0") return ~uint64_t{0};
-    if (v != nullptr && std::string_view(v) == "1") return uint64_t{0};
-    return uint64_t{32} << 20;
-  }();
+  // L223: only outputs of at least 32 MiB, glibc's largest mmap threshold: those are always
+  // fresh mappings, faulted in page by page. Smaller ones may come back from the heap already
+  // faulted, and advising them only made training steps slow at random. L225: none on a VM
+  // whose balloon reports free pages, where an advised fault after a pause is filled again by
+  // the host. Read once.
+  static const uint64_t min_bytes =
+      huge_page_min_bytes(std::getenv("MOEGRAD_HUGE_PAGES"), free_page_reporting());
   const uint64_t bytes = static_cast<uint64_t>(t.numel()) * dtype_size(t.dtype);
   if (bytes >= min_bytes && min_bytes != ~uint64_t{0}) advise_huge_pages(t.data, bytes);
 }

@@ -27,10 +27,17 @@ Slot index_scratch(WorkspaceLayout& layout, const TensorView& t);
 const int32_t* index32(const TensorView& t, int32_t* scratch);
 
 // Advises the kernel to back a large host output with transparent huge pages before it is first
-// written: one fault per 2 MiB instead of per 4 KiB. By default only outputs of at least 32 MiB;
-// MOEGRAD_HUGE_PAGES=0 never, =1 every output of at least two huge pages (docs/decisions.md
-// L223). Advice only; a no-op where unsupported.
+// written: one fault per 2 MiB instead of per 4 KiB. By default only outputs of at least 32 MiB,
+// and none on a VM whose balloon reports free pages (free_page_reporting). MOEGRAD_HUGE_PAGES=0
+// never, =1 every output of at least two huge pages, =2 outputs of at least 32 MiB even there
+// (docs/decisions.md L223, L225). Advice only; a no-op where unsupported.
 void advise_output(const TensorView& t);
+// The smallest output advise_output advises for MOEGRAD_HUGE_PAGES = setting (nullptr: unset)
+// on a machine that does (reporting) or does not report free pages; ~0 for never.
+uint64_t huge_page_min_bytes(const char* setting, bool reporting);
+// Whether a virtio balloon of this Linux guest reports free pages to its host
+// (VIRTIO_BALLOON_F_REPORTING); false elsewhere.
+bool free_page_reporting();
 // The advice itself, for `bytes` of host memory at `data`, whatever its size and the variable:
 // only whole 2 MiB pages inside it, and only when there are at least two.
 void advise_huge_pages(void* data, uint64_t bytes);

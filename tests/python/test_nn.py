@@ -283,13 +283,36 @@ for line in open("/proc/self/smaps"):
 """
 
 
+def test_huge_page_policy():
+    """L223, L225: the smallest output advised, per MOEGRAD_HUGE_PAGES and free page reporting
+    (-1: never)."""
+    from moegrad import _C
+    big = 32 << 20
+    for reporting in (False, True):
+        assert _C._huge_page_min_bytes("0", reporting) == -1
+        assert _C._huge_page_min_bytes("1", reporting) == 0
+        assert _C._huge_page_min_bytes("2", reporting) == big
+        for unset in (None, "", "yes"):
+            assert _C._huge_page_min_bytes(unset, reporting) == (-1 if reporting else big)
+    assert isinstance(_C._free_page_reporting(), bool)
+
+
+def _default_advises_large() -> bool:
+    from moegrad import _C
+    return not _C._free_page_reporting()
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc smaps")
 @pytest.mark.parametrize("env, rows, advised", [
-    (None, 2048, False), (None, 4096, True),      # 29 MB and 59 MB outputs: 32 MiB threshold
-    ("0", 4096, False), ("1", 2048, True), ("1", 4096, True)])
+    (None, 2048, False), (None, 4096, "default"),  # 29 MB and 59 MB outputs: 32 MiB threshold
+    ("0", 4096, False), ("1", 2048, True), ("1", 4096, True), ("2", 2048, False),
+    ("2", 4096, True)])
 def test_operator_outputs_advised_onto_huge_pages(env, rows, advised):
-    """L223: a CPU operator's output gets MADV_HUGEPAGE (VmFlags "hg" on its mapping) by default
-    from 32 MiB, never with MOEGRAD_HUGE_PAGES=0, from two huge pages with =1."""
+    """L223, L225: a CPU operator's output gets MADV_HUGEPAGE (VmFlags "hg" on its mapping) by
+    default from 32 MiB unless this machine's balloon reports free pages, never with
+    MOEGRAD_HUGE_PAGES=0, from two huge pages with =1, from 32 MiB with =2."""
+    if advised == "default":
+        advised = _default_advises_large()
     e = dict(os.environ)
     e.pop("MOEGRAD_HUGE_PAGES", None)
     if env is not None:
