@@ -414,22 +414,178 @@ def _router_check(family: str, r: nn.Module) -> str:
 _patched_classes: Dict[type, type] = {}
 
 
-def _patched_class(cls, forward) -> type:
-    """A subclass of the router's class with moegrad's forward: isinstance checks (transformers'
-    router-logit recorder) still match, parameters and hooks stay on the same module."""
+def _patched_class(cls, forward, what: str = "routed by moegrad.moe_gating_top_k") -> type:
+    """A subclass of the module's class (a router's, a shared expert's) with moegrad's forward:
+    isinstance checks (transformers' router-logit recorder) still match, parameters and hooks
+    stay on the same module."""
     if cls not in _patched_classes:
         _patched_classes[cls] = type(cls.__name__, (cls,), {
             "forward": forward, "_moegrad_original_class": cls,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__doc__": f"{cls.__name__} routed by moegrad.moe_gating_top_k (moegrad.hf)."})
+            "__doc__": f"{cls.__name__} {what} (moegrad.hf)."})
     return _patched_classes[cls]
+
+
+# ------------------------------------------------------------------------- shared experts ----
+# A MoE block's shared expert (Qwen2-MoE's shared_expert, DeepSeek-V3/V4's shared_experts) is a
+# gated MLP, down(silu(gate(x)) * up(x)), DeepSeek-V4's with gate <= limit and |up| <= limit.
+# Patched, its two input projections write the two halves of one [T, 2I] buffer, swiglu_group
+# computes the activation in one pass and its gradient in another, and one addmm returns the
+# input gradient of both projections: four elementwise passes and a gradient sum fewer, and
+# three [T, I] activations kept for the backward instead of four (L226).
+class _GatedMLP(torch.autograd.Function):
+    """x [..., H], gate / up weights [I, H], down weight [H, I] (one dtype, no biases), clamp
+    limit (-1 = none) -> down(swiglu(x @ [gate; up]^T)) [..., H]."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, clamp):
+        x2 = x.reshape(-1, x.shape[-1])
+        inter = w_gate.shape[0]
+        if torch.compiler.is_compiling():
+            # dynamo does not capture out= into a view; the compiler places the cat itself
+            gate_up = torch.cat((torch.mm(x2, w_gate.t()), torch.mm(x2, w_up.t())), 1)
+        else:
+            gate_up = x2.new_empty(x2.shape[0], 2 * inter)
+            torch.mm(x2, w_gate.t(), out=gate_up[:, :inter])
+            torch.mm(x2, w_up.t(), out=gate_up[:, inter:])
+        act = _mg.swiglu_group(gate_up, clamp_limit=clamp)
+        ctx.save_for_backward(x2, w_gate, w_up, w_down, gate_up, act)
+        ctx.clamp, ctx.x_shape = clamp, x.shape
+        return torch.mm(act, w_down.t()).view(*x.shape[:-1], w_down.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, w_gate, w_up, w_down, gate_up, act = ctx.saved_tensors
+        need_x, need_gate, need_up, need_down, _ = ctx.needs_input_grad
+        inter = w_gate.shape[0]
+        gy = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_down = torch.mm(gy.t(), act) if need_down else None
+        grad_x = grad_gate = grad_up = None
+        if need_x or need_gate or need_up:
+            grad_gu, _ = _mg.swiglu_group_quant_backward(torch.mm(gy, w_down), gate_up,
+                                                         clamp_limit=ctx.clamp)
+            g_gate, g_up = grad_gu[:, :inter], grad_gu[:, inter:]
+            if need_x:
+                grad_x = torch.addmm(torch.mm(g_gate, w_gate), g_up, w_up).view(ctx.x_shape)
+            if need_gate:
+                grad_gate = torch.mm(g_gate.t(), x2)
+            if need_up:
+                grad_up = torch.mm(g_up.t(), x2)
+        return grad_x, grad_gate, grad_up, grad_down, None
+
+
+_SHARED_MLPS = {
+    "gated": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeMLP"),
+    "clamped": ("transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP"),
+}
+_SHARED_NAMES = ("shared_expert", "shared_experts")
+
+
+def _shared_kind(cls) -> Optional[str]:
+    """"gated" / "clamped" when cls is, or copies the forward of, a known shared-expert MLP
+    (transformers copies it between models: DeepSeek-V3's is Qwen2-MoE's)."""
+    src = _source(cls.forward)
+    for kind, ref in _SHARED_MLPS.items():
+        ref_cls = _reference(*ref)
+        if ref_cls is not None and (cls is ref_cls or (src is not None
+                                                       and src == _source(ref_cls.forward))):
+            return kind
+    return None
+
+
+def _shared_plan(m: nn.Module) -> Tuple[Optional[float], str]:
+    """(clamp limit, -1.0 for none; "") when the shared expert maps, else (None, reason)."""
+    kind = _shared_kind(type(m))
+    if kind is None:
+        return None, "its MLP forward is not one moegrad computes (down(silu(gate) * up))"
+    if not _is_silu(getattr(m, "act_fn", None)):
+        return None, (f"activation {type(getattr(m, 'act_fn', None)).__name__} is not SiLU "
+                      f"(swiglu_group computes SiLU)")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(m, name, None)
+        if type(lin) is not nn.Linear:
+            return None, f"{name} is {type(lin).__name__}, not a plain nn.Linear"
+        if lin.bias is not None:
+            return None, f"{name} has a bias (moegrad's fused shared expert has none)"
+    if kind == "gated":
+        return -1.0, ""
+    limit = getattr(m, "limit", None)
+    if limit is None or not (math.isfinite(float(limit)) and float(limit) > 0):
+        return None, f"clamp limit {limit} is not a positive finite number"
+    return float(limit), ""
+
+
+def _plain(lin: nn.Module) -> bool:
+    return (type(lin) is nn.Linear and lin.bias is None and not lin._forward_hooks
+            and not lin._forward_pre_hooks and not lin._backward_hooks
+            and not lin._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    mod = nn.modules.module
+    return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks
+                or mod._global_backward_hooks or mod._global_backward_pre_hooks)
+
+
+def _shared_forward(self, x):
+    """moegrad's forward of a shared expert, x [..., H] -> [..., H]. Whatever the fused path
+    would not compute exactly runs the module's own forward: autocast, a projection replaced or
+    hooked (forward or backward) since apply (an adapter such as LoRA, a quantised layer, a
+    parametrisation), global module hooks.
+    Errors: MoeError (161002) for a weight of another dtype or device than x, naming it."""
+    g, u, d = self.gate_proj, self.up_proj, self.down_proj
+    own = self._moegrad_original_class.forward
+    if (torch.is_autocast_enabled(x.device.type) or not (_plain(g) and _plain(u) and _plain(d))
+            or _global_hooks()):
+        return own(self, x)
+    ws = (g.weight, u.weight, d.weight)
+    for name, w in zip(("gate_proj", "up_proj", "down_proj"), ws):
+        if w.device != x.device:
+            raise MoeError(f"moegrad.hf shared expert: {name}.weight: must be on the input's "
+                           f"device ({x.device}); got {w.device}", ERR_PARAM_INVALID)
+        if w.dtype != x.dtype:
+            raise MoeError(f"moegrad.hf shared expert: {name}.weight: dtype must be the "
+                           f"input's ({x.dtype}); got {w.dtype}", ERR_PARAM_INVALID)
+    if x.shape[-1] != ws[0].shape[1]:
+        return own(self, x)  # torch's own shape error
+    return _GatedMLP.apply(x, *ws, self._moegrad_clamp)
+
+
+def _shared_modules(model: nn.Module, blocks: List[str]):
+    """(name, module) of the shared experts of the MoE blocks (a child named shared_expert(s)
+    of a module that holds an experts module); dense MLPs elsewhere are not touched."""
+    for block in blocks:
+        parent = model.get_submodule(block) if block else model
+        for child in _SHARED_NAMES:
+            m = getattr(parent, child, None)
+            if isinstance(m, nn.Module):
+                yield (f"{block}.{child}" if block else child), m
+
+
+def _apply_shared(shared, state, report: Report) -> None:
+    for name, m in shared:
+        original = getattr(type(m), "_moegrad_original_class", None)
+        cls = (original or type(m)).__name__
+        if original is not None:
+            report.patched.append(Entry(name, "shared", cls, "already patched"))
+            continue
+        clamp, reason = _shared_plan(m)
+        if clamp is None:
+            report.left_alone.append(Entry(name, "shared", cls, reason))
+            continue
+        m._moegrad_clamp = clamp
+        m.__class__ = _patched_class(type(m), _shared_forward, "run on moegrad.swiglu_group")
+        state.setdefault("shared", []).append(m)
+        report.patched.append(Entry(name, "shared", cls, "gate/up GEMMs into one buffer, "
+                                    "swiglu_group" + (f" (clamp {clamp:g})" if clamp > 0 else "")))
 
 
 # ------------------------------------------------------------------------------- report -----
 @dataclass
 class Entry:
-    """One module: its qualified name in the model, its kind ("router" / "experts"), its class,
-    and what moegrad runs for it (patched) or why it keeps its own code (left alone)."""
+    """One module: its qualified name in the model, its kind ("router" / "experts" / "shared"),
+    its class, and what moegrad runs for it (patched) or why it keeps its own code (left
+    alone)."""
     name: str
     kind: str
     cls: str
@@ -491,7 +647,9 @@ def apply(model: nn.Module, *, router: bool = True, experts: bool = True) -> Rep
     sigmoid + selection bias + groups + scaling; DeepSeek-V4's sqrt-softplus) gets moegrad's
     forward; router_logits stay the same tensor the model returned before. experts=True: the
     model's experts run the "moegrad" implementation where they map (the others keep the
-    implementation they had). Applying twice is harmless; revert(model) undoes it.
+    implementation they had), and the blocks' shared experts that are SiLU-gated MLPs without
+    biases (Qwen2-MoE, DeepSeek-V3, DeepSeek-V4 with its clamp) run their activation on
+    swiglu_group. Applying twice is harmless; revert(model) undoes it.
 
     Returns a Report. Errors: TypeError for a non-module or a non-bool option (unknown
     options are TypeErrors of the signature); ValueError when both options are False or the
@@ -516,6 +674,7 @@ def apply(model: nn.Module, *, router: bool = True, experts: bool = True) -> Rep
     report = Report(_model=model)
     if experts:
         _apply_experts(experts_list, state, report)
+        _apply_shared(list(_shared_modules(model, blocks)), state, report)
     if router:
         _apply_routers(routers, state, report)
     return report
@@ -572,9 +731,9 @@ def _apply_routers(routers, state, report: Report) -> None:
 
 
 def revert(model: nn.Module) -> List[str]:
-    """Undo apply(): routers get their own classes back, configs their previous experts
-    implementation, experts modules lose moegrad's per-module state. Returns the names of the
-    modules restored ([] for a model apply() never patched)."""
+    """Undo apply(): routers and shared experts get their own classes back, configs their
+    previous experts implementation, experts modules lose moegrad's per-module state. Returns
+    the names of the modules restored ([] for a model apply() never patched)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"moegrad.hf.revert: model: must be a torch.nn.Module; got "
                         f"{type(model).__name__}")
@@ -583,10 +742,11 @@ def revert(model: nn.Module) -> List[str]:
         return []
     names = {id(m): n for n, m in model.named_modules()}
     restored = []
-    for r in state["routers"]:
+    for r in state["routers"] + state.get("shared", []):
         original = getattr(type(r), "_moegrad_original_class", None)
         if original is not None:
             r.__class__ = original
+            r.__dict__.pop("_moegrad_clamp", None)
             restored.append(names.get(id(r), type(r).__name__))
     for cfg, prev in state["configs"].values():
         cfg._experts_implementation_internal = prev

@@ -638,6 +638,110 @@ def test_mixed_dtypes_and_devices_raise_moegrad_errors():
     assert info.value.code == 161002
 
 
+# ------------------------------------------------------------------------- shared experts ---
+def _gated_mlp_reference(x, wg, wu, wd, limit, dtype):
+    """The shared expert's eager formula in float64: down(silu(gate) * up), DeepSeek-V4's with
+    gate <= limit and |up| <= limit. The projections are rounded to dtype in value only (the
+    gradient passes straight through), as both the eager module and the fused path round them
+    before the clamp decides: a value within a rounding of the limit must fall on the same side."""
+    g, u = x @ wg.T, x @ wu.T
+    g = g + (g.to(dtype).double() - g).detach()
+    u = u + (u.to(dtype).double() - u).detach()
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return (torch.nn.functional.silu(g) * u) @ wd.T
+
+
+@pytest.mark.parametrize("rows", [0, 1, 37])
+@pytest.mark.parametrize("limit", [-1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_expert_fused_matches_float64(rows, limit, dtype, rng):
+    """The fused shared expert (L226) against float64 autograd of the formula, random upstream
+    gradient, a frozen up projection (its gradient must stay None, the others must come)."""
+    H, inter = 24, 19
+    x = torch.randn(rows, 3, H)
+    wg, wu, wd = torch.randn(inter, H) * 0.4, torch.randn(inter, H) * 0.4, torch.randn(H, inter)
+    g = torch.randn(rows, 3, H)
+    ins = [t.to(dtype).clone().requires_grad_(t is not wu) for t in (x, wg, wu, wd)]
+    y = mh._GatedMLP.apply(*ins, limit)
+    y.backward(g.to(dtype))
+    ref = [t.to(dtype).double().requires_grad_(t is not wu) for t in (x, wg, wu, wd)]
+    y64 = _gated_mlp_reference(ref[0].reshape(-1, H), *ref[1:], limit, dtype).reshape(rows, 3, H)
+    y64.backward(g.double())
+    assert ins[2].grad is None and y.shape == (rows, 3, H) and y.dtype == dtype
+    # Relative to each tensor's largest element. Over 200 seeds at 37 rows the worst was
+    # 7.9e-7 in fp32 and 1.1e-2 in bf16 (2^-5 is 8 bf16 ulps).
+    tol = FP32_REL if dtype == torch.float32 else 2.0 ** -5
+    pairs = [(y, y64)] + [(a.grad, b.grad) for a, b in zip(ins, ref) if a.requires_grad]
+    for got, want in pairs:
+        assert got.shape == want.shape
+        if want.numel():
+            err = (got.double() - want).abs().max().item()
+            assert err <= tol * want.abs().max().item(), (err, want.abs().max().item())
+    if limit > 0 and rows:  # the clamp is active somewhere, or the case tests nothing
+        pre = ref[0].reshape(-1, H) @ ref[1].T
+        assert (pre > limit).any()
+
+
+def test_shared_expert_patch_reports_and_falls_back(rng):
+    """Qwen2-MoE's gated shared expert: reported patched, output equal to eager; a projection
+    hooked or replaced after apply (an adapter), or autocast, runs the module's own forward;
+    a weight of another dtype is a moegrad error naming it; revert restores the class; a
+    biased projection is left alone with the reason."""
+    ref = _build("qwen2_moe")
+    pat = copy.deepcopy(ref)
+    report = mh.apply(pat)
+    shared = [e for e in report.patched if e.kind == "shared"]
+    assert [e.name for e in shared] == [f"model.layers.{i}.mlp.shared_expert" for i in (0, 1)]
+    assert "swiglu_group" in shared[0].detail
+    ids = _ids(ref, (2, 12))
+    ref_logits = ref(ids).logits
+    assert (pat(ids).logits - ref_logits).abs().max() <= FP32_REL * ref_logits.abs().max()
+    mlp, mlp_ref = pat.model.layers[0].mlp.shared_expert, ref.model.layers[0].mlp.shared_expert
+    x = torch.randn(5, ref.config.hidden_size)
+    # A hook that changes a projection's output must be honoured (not fused away).
+    hooks = [m.gate_proj.register_forward_hook(lambda _m, _i, o: o * 2.0)
+             for m in (mlp, mlp_ref)]
+    assert torch.allclose(mlp(x), mlp_ref(x), rtol=1e-6, atol=1e-6)
+    for h in hooks:
+        h.remove()
+    # A backward hook on a projection must still fire.
+    fired = []
+    h = mlp.down_proj.register_full_backward_hook(lambda *_: fired.append(1))
+    mlp(x.clone().requires_grad_()).sum().backward()
+    h.remove()
+    assert fired == [1]
+
+    class Adapter(torch.nn.Module):  # LoRA-like: the layer plus a low-rank term
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.a = base, torch.nn.Linear(base.in_features, base.out_features,
+                                                      bias=False)
+
+        def forward(self, t):
+            return self.base(t) + self.a(t)
+    mlp.up_proj, mlp_ref.up_proj = Adapter(mlp.up_proj), Adapter(mlp_ref.up_proj)
+    mlp.up_proj.a.weight.data.copy_(mlp_ref.up_proj.a.weight.data)
+    assert torch.allclose(mlp(x), mlp_ref(x), rtol=1e-6, atol=1e-6)
+    mlp.up_proj, mlp_ref.up_proj = mlp.up_proj.base, mlp_ref.up_proj.base
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(mlp(x), mlp_ref(x))
+    mlp.down_proj.to(torch.bfloat16)
+    with pytest.raises(moegrad.MoeError, match=r"down_proj.weight: dtype must be"):
+        mlp(x)
+    mlp.down_proj.float()
+    restored = report.revert()
+    assert "model.layers.0.mlp.shared_expert" in restored
+    assert type(mlp) is type(mlp_ref) and not hasattr(mlp, "_moegrad_clamp")
+
+    biased = copy.deepcopy(ref)
+    lin = biased.model.layers[1].mlp.shared_expert.gate_proj
+    lin.bias = torch.nn.Parameter(torch.zeros(lin.out_features))
+    left = [e for e in mh.apply(biased).left_alone if e.kind == "shared"]
+    assert [e.name for e in left] == ["model.layers.1.mlp.shared_expert"]
+    assert "bias" in left[0].detail
+
+
 # --------------------------------------------------------------------- demo --hf ARCH -------
 # Three architectures, one per code path (softmax router + plain experts, grouped sigmoid router
 # + shared experts, biased transposed experts); every architecture runs the same function.
