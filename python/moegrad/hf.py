@@ -8,8 +8,9 @@ moegrad's operators:
     moe_init_routing -> grouped GEMM (gate_up, + bias) -> swiglu_group or clipped_swiglu
     -> grouped GEMM (down) -> moe_finalize_routing (+ down bias, scales = top_k_weights)
 
-``apply(model)`` also replaces the routers whose math moe_gating_top_k computes exactly, and
-returns a :class:`Report` of what it patched and what it left alone (with the reason);
+``apply(model)`` also replaces the routers whose math moe_gating_top_k computes exactly, runs
+the MoE blocks' SiLU-gated shared experts on swiglu_group (L226), and returns a
+:class:`Report` of what it patched and what it left alone (with the reason);
 ``revert(model)`` (or ``report.revert()``) restores the original modules. A module that does not
 map keeps its own code: nothing is ever computed differently from the unpatched model beyond
 floating-point rounding.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import struct
 import textwrap
 import warnings
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 try:
     from transformers.integrations import moe as _tf_moe
@@ -241,13 +244,43 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
     if plan.activation == "clipped_swiglu":
         act = _mg.clipped_swiglu(up, counts, alpha=plan.alpha, limit=plan.limit, bias=1.0,
                                  interleaved=True)
+    elif plan.clamp > 0:
+        act = _ClampedSwiglu.apply(up, counts, plan.clamp)
     else:
-        act = _mg.swiglu_group(up, group_index=counts, clamp_limit=plan.clamp)
+        act = _mg.swiglu_group(up, group_index=counts)
     out = _expert_gemm(act, w_down, counts, host, None)
     if has_bias:
         return _mg.moe_finalize_routing(out, row_idx, bias=m.down_proj_bias, scales=w,
                                         expert_idx=idx.to(torch.int32), drop_pad_mode=2, k=K)
     return _mg.moe_finalize_routing(out, row_idx, scales=w, drop_pad_mode=2, k=K)
+
+
+def _inclusive(limit: float) -> float:
+    """The float32 just above float32(limit). swiglu_group's backward masks the gradient of a
+    clamped value strictly (D11: none at exactly the limit); transformers' clamps are torch.clamp,
+    whose gradient passes at the limit. A strict mask at this bound is torch's inclusive one at
+    the limit, for float32 values and anything narrower (L227)."""
+    bits = struct.unpack("<I", struct.pack("<f", limit))[0]
+    return struct.unpack("<f", struct.pack("<I", bits + 1))[0]
+
+
+class _ClampedSwiglu(torch.autograd.Function):
+    """swiglu_group with DeepSeek-V4's clamp (gate <= c, |up| <= c) over the expert rows, its
+    gradient passing at exactly the limit as transformers' torch.clamp does (L227)."""
+
+    @staticmethod
+    def forward(ctx, up, counts, clamp):
+        ctx.save_for_backward(up, counts)
+        ctx.clamp = clamp
+        return _mg.swiglu_group(up, group_index=counts, clamp_limit=clamp)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        up, counts = ctx.saved_tensors
+        grad, _ = _mg.swiglu_group_quant_backward(grad_y, up, group_index=counts,
+                                                  clamp_limit=_inclusive(ctx.clamp))
+        return grad, None, None
 
 
 def _own_forward(m: nn.Module) -> Callable:
@@ -431,8 +464,8 @@ def _patched_class(cls, forward, what: str = "routed by moegrad.moe_gating_top_k
 # gated MLP, down(silu(gate(x)) * up(x)), DeepSeek-V4's with gate <= limit and |up| <= limit.
 # Patched, its two input projections write the two halves of one [T, 2I] buffer, swiglu_group
 # computes the activation in one pass and its gradient in another, and one addmm returns the
-# input gradient of both projections: four elementwise passes and a gradient sum fewer, and
-# three [T, I] activations kept for the backward instead of four (L226).
+# input gradient of both projections: four elementwise passes, a gradient sum and one saved
+# [T, I] activation fewer (L226).
 class _GatedMLP(torch.autograd.Function):
     """x [..., H], gate / up weights [I, H], down weight [H, I] (one dtype, no biases), clamp
     limit (-1 = none) -> down(swiglu(x @ [gate; up]^T)) [..., H]."""
@@ -449,11 +482,14 @@ class _GatedMLP(torch.autograd.Function):
             torch.mm(x2, w_gate.t(), out=gate_up[:, :inter])
             torch.mm(x2, w_up.t(), out=gate_up[:, inter:])
         act = _mg.swiglu_group(gate_up, clamp_limit=clamp)
-        ctx.save_for_backward(x2, w_gate, w_up, w_down, gate_up, act)
+        # act is only needed for the down projection's weight gradient
+        ctx.save_for_backward(x2, w_gate, w_up, w_down, gate_up,
+                              act if ctx.needs_input_grad[3] else None)
         ctx.clamp, ctx.x_shape = clamp, x.shape
         return torch.mm(act, w_down.t()).view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y):
         x2, w_gate, w_up, w_down, gate_up, act = ctx.saved_tensors
         need_x, need_gate, need_up, need_down, _ = ctx.needs_input_grad
@@ -462,8 +498,9 @@ class _GatedMLP(torch.autograd.Function):
         grad_down = torch.mm(gy.t(), act) if need_down else None
         grad_x = grad_gate = grad_up = None
         if need_x or need_gate or need_up:
+            clamp = _inclusive(ctx.clamp) if ctx.clamp > 0 else -1.0
             grad_gu, _ = _mg.swiglu_group_quant_backward(torch.mm(gy, w_down), gate_up,
-                                                         clamp_limit=ctx.clamp)
+                                                         clamp_limit=clamp)
             g_gate, g_up = grad_gu[:, :inter], grad_gu[:, inter:]
             if need_x:
                 grad_x = torch.addmm(torch.mm(g_gate, w_gate), g_up, w_up).view(ctx.x_shape)
@@ -493,8 +530,22 @@ def _shared_kind(cls) -> Optional[str]:
     return None
 
 
-def _shared_plan(m: nn.Module) -> Tuple[Optional[float], str]:
-    """(clamp limit, -1.0 for none; "") when the shared expert maps, else (None, reason)."""
+def _shared_limit(m: nn.Module, kind: str) -> Tuple[Optional[float], str]:
+    """(clamp limit, -1.0 for none; "") of a shared expert of this kind, else (None, reason)."""
+    if kind == "gated":
+        return -1.0, ""
+    limit = getattr(m, "limit", None)
+    try:
+        value = float(limit)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        return None, f"clamp limit {limit} is not a positive finite number"
+    return value, ""
+
+
+def _shared_plan(m: nn.Module) -> Tuple[Optional[str], str]:
+    """(kind, "") when the shared expert maps, else (None, reason)."""
     kind = _shared_kind(type(m))
     if kind is None:
         return None, "its MLP forward is not one moegrad computes (down(silu(gate) * up))"
@@ -507,18 +558,29 @@ def _shared_plan(m: nn.Module) -> Tuple[Optional[float], str]:
             return None, f"{name} is {type(lin).__name__}, not a plain nn.Linear"
         if lin.bias is not None:
             return None, f"{name} has a bias (moegrad's fused shared expert has none)"
-    if kind == "gated":
-        return -1.0, ""
-    limit = getattr(m, "limit", None)
-    if limit is None or not (math.isfinite(float(limit)) and float(limit) > 0):
-        return None, f"clamp limit {limit} is not a positive finite number"
-    return float(limit), ""
+    limit, reason = _shared_limit(m, kind)
+    return (kind, "") if limit is not None else (None, reason)
+
+
+def _unhooked(m: nn.Module) -> bool:
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks)
 
 
 def _plain(lin: nn.Module) -> bool:
-    return (type(lin) is nn.Linear and lin.bias is None and not lin._forward_hooks
-            and not lin._forward_pre_hooks and not lin._backward_hooks
-            and not lin._backward_pre_hooks)
+    """A bias-free nn.Linear (not a subclass) with a plain weight (not a tensor subclass: a
+    quantised or sharded one) and no hooks."""
+    return (type(lin) is nn.Linear and lin.bias is None and _unhooked(lin)
+            and type(lin.weight) in (nn.Parameter, Tensor))
+
+
+def _transforms_active() -> bool:
+    """torch.func transforms (vmap, grad, jacrev) or forward-mode AD, which _GatedMLP does not
+    implement; the module's own code supports them."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.autograd import forward_ad
+    return bool(torch._C._are_functorch_transforms_active()) or forward_ad._current_level >= 0
 
 
 def _global_hooks() -> bool:
@@ -529,14 +591,18 @@ def _global_hooks() -> bool:
 
 def _shared_forward(self, x):
     """moegrad's forward of a shared expert, x [..., H] -> [..., H]. Whatever the fused path
-    would not compute exactly runs the module's own forward: autocast, a projection replaced or
-    hooked (forward or backward) since apply (an adapter such as LoRA, a quantised layer, a
-    parametrisation), global module hooks.
+    would not compute exactly runs the module's own forward: autocast, a projection or the
+    activation replaced or hooked (forward or backward) since apply (an adapter such as LoRA, a
+    quantised or sharded weight, a parametrisation), an invalid clamp limit, global module
+    hooks, torch.func transforms and forward-mode AD.
     Errors: MoeError (161002) for a weight of another dtype or device than x, naming it."""
     g, u, d = self.gate_proj, self.up_proj, self.down_proj
     own = self._moegrad_original_class.forward
-    if (torch.is_autocast_enabled(x.device.type) or not (_plain(g) and _plain(u) and _plain(d))
-            or _global_hooks()):
+    act = getattr(self, "act_fn", None)
+    clamp, _ = _shared_limit(self, self._moegrad_kind)
+    if (clamp is None or torch.is_autocast_enabled(x.device.type)
+            or not (_plain(g) and _plain(u) and _plain(d)) or not _is_silu(act)
+            or not _unhooked(act) or _global_hooks() or _transforms_active()):
         return own(self, x)
     ws = (g.weight, u.weight, d.weight)
     for name, w in zip(("gate_proj", "up_proj", "down_proj"), ws):
@@ -548,7 +614,7 @@ def _shared_forward(self, x):
                            f"input's ({x.dtype}); got {w.dtype}", ERR_PARAM_INVALID)
     if x.shape[-1] != ws[0].shape[1]:
         return own(self, x)  # torch's own shape error
-    return _GatedMLP.apply(x, *ws, self._moegrad_clamp)
+    return _GatedMLP.apply(x, *ws, clamp)
 
 
 def _shared_modules(model: nn.Module, blocks: List[str]):
@@ -569,11 +635,12 @@ def _apply_shared(shared, state, report: Report) -> None:
         if original is not None:
             report.patched.append(Entry(name, "shared", cls, "already patched"))
             continue
-        clamp, reason = _shared_plan(m)
-        if clamp is None:
+        kind, reason = _shared_plan(m)
+        if kind is None:
             report.left_alone.append(Entry(name, "shared", cls, reason))
             continue
-        m._moegrad_clamp = clamp
+        clamp = _shared_limit(m, kind)[0]
+        m._moegrad_kind = kind
         m.__class__ = _patched_class(type(m), _shared_forward, "run on moegrad.swiglu_group")
         state.setdefault("shared", []).append(m)
         report.patched.append(Entry(name, "shared", cls, "gate/up GEMMs into one buffer, "
@@ -746,7 +813,7 @@ def revert(model: nn.Module) -> List[str]:
         original = getattr(type(r), "_moegrad_original_class", None)
         if original is not None:
             r.__class__ = original
-            r.__dict__.pop("_moegrad_clamp", None)
+            r.__dict__.pop("_moegrad_kind", None)
             restored.append(names.get(id(r), type(r).__name__))
     for cfg, prev in state["configs"].values():
         cfg._experts_implementation_internal = prev

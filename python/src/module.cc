@@ -288,7 +288,9 @@ NB_MODULE(_C, m) {
     const uint64_t b = huge_page_min_bytes(setting ? setting->c_str() : nullptr, reporting);
     return b == ~uint64_t{0} ? int64_t{-1} : static_cast<int64_t>(b);
   }, nb::arg("setting").none(), nb::arg("reporting"));
-  m.def("_free_page_reporting", &free_page_reporting);
+  m.def("_free_page_reporting", [](std::optional<std::string> features_glob) {
+    return free_page_reporting(features_glob ? features_glob->c_str() : nullptr);
+  }, nb::arg("features_glob").none() = nb::none());
   // The benchmark's streaming roof (core/stream_probe.h): fp32 buffers given by address and
   // element count (torch data_ptr / numel), on moegrad's thread count.
   m.def("_stream_read", [](uintptr_t data, int64_t n) {

@@ -130,13 +130,16 @@ void advise_huge_pages(void* data, uint64_t bytes) {
 #endif
 }
 
-bool free_page_reporting() {
+bool free_page_reporting(const char* features_glob) {
 #if defined(__linux__)
   // Each virtio device's features file is a string of '0'/'1', bit 0 first; the balloon's bit 5
   // is VIRTIO_BALLOON_F_REPORTING.
+  if (features_glob == nullptr) {
+    features_glob = "/sys/bus/virtio/drivers/virtio_balloon/*/features";
+  }
   glob_t g{};
   bool on = false;
-  if (glob("/sys/bus/virtio/drivers/virtio_balloon/*/features", 0, nullptr, &g) == 0) {
+  if (glob(features_glob, 0, nullptr, &g) == 0) {
     for (size_t i = 0; i < g.gl_pathc && !on; ++i) {
       std::ifstream f(g.gl_pathv[i]);
       std::string bits;
@@ -146,6 +149,7 @@ bool free_page_reporting() {
   globfree(&g);
   return on;
 #else
+  (void)features_glob;
   return false;
 #endif
 }

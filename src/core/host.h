@@ -36,8 +36,9 @@ void advise_output(const TensorView& t);
 // on a machine that does (reporting) or does not report free pages; ~0 for never.
 uint64_t huge_page_min_bytes(const char* setting, bool reporting);
 // Whether a virtio balloon of this Linux guest reports free pages to its host
-// (VIRTIO_BALLOON_F_REPORTING); false elsewhere.
-bool free_page_reporting();
+// (VIRTIO_BALLOON_F_REPORTING, bit 5 of the features files matching features_glob; nullptr: the
+// balloon driver's devices in sysfs); false elsewhere.
+bool free_page_reporting(const char* features_glob = nullptr);
 // The advice itself, for `bytes` of host memory at `data`, whatever its size and the variable:
 // only whole 2 MiB pages inside it, and only when there are at least two.
 void advise_huge_pages(void* data, uint64_t bytes);

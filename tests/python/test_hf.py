@@ -655,20 +655,23 @@ def _gated_mlp_reference(x, wg, wu, wd, limit, dtype):
 @pytest.mark.parametrize("rows", [0, 1, 37])
 @pytest.mark.parametrize("limit", [-1.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shared_expert_fused_matches_float64(rows, limit, dtype, rng):
+@pytest.mark.parametrize("frozen", [2, 3])
+def test_shared_expert_fused_matches_float64(rows, limit, dtype, frozen, rng):
     """The fused shared expert (L226) against float64 autograd of the formula, random upstream
-    gradient, a frozen up projection (its gradient must stay None, the others must come)."""
+    gradient, a frozen projection (up or down: its gradient must stay None, the others must
+    come)."""
     H, inter = 24, 19
     x = torch.randn(rows, 3, H)
     wg, wu, wd = torch.randn(inter, H) * 0.4, torch.randn(inter, H) * 0.4, torch.randn(H, inter)
     g = torch.randn(rows, 3, H)
-    ins = [t.to(dtype).clone().requires_grad_(t is not wu) for t in (x, wg, wu, wd)]
+    ins = [t.to(dtype).clone().requires_grad_(i != frozen) for i, t in enumerate((x, wg, wu, wd))]
     y = mh._GatedMLP.apply(*ins, limit)
     y.backward(g.to(dtype))
-    ref = [t.to(dtype).double().requires_grad_(t is not wu) for t in (x, wg, wu, wd)]
+    ref = [t.to(dtype).double().requires_grad_(i != frozen)
+           for i, t in enumerate((x, wg, wu, wd))]
     y64 = _gated_mlp_reference(ref[0].reshape(-1, H), *ref[1:], limit, dtype).reshape(rows, 3, H)
     y64.backward(g.double())
-    assert ins[2].grad is None and y.shape == (rows, 3, H) and y.dtype == dtype
+    assert ins[frozen].grad is None and y.shape == (rows, 3, H) and y.dtype == dtype
     # Relative to each tensor's largest element. Over 200 seeds at 37 rows the worst was
     # 7.9e-7 in fp32 and 1.1e-2 in bf16 (2^-5 is 8 bf16 ulps).
     tol = FP32_REL if dtype == torch.float32 else 2.0 ** -5
@@ -681,6 +684,69 @@ def test_shared_expert_fused_matches_float64(rows, limit, dtype, rng):
     if limit > 0 and rows:  # the clamp is active somewhere, or the case tests nothing
         pre = ref[0].reshape(-1, H) @ ref[1].T
         assert (pre > limit).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamp_gradient_passes_at_the_limit(dtype, rng):
+    """L227: DeepSeek-V4's clamps are torch.clamp, whose gradient passes at exactly the limit;
+    both clamped paths of the backend (the routed experts' activation and the shared expert)
+    must give it there, where swiglu_group's own strict mask (D11) gives none. Identity
+    projections put gate and up values exactly on +-limit (0.75, exact in bf16)."""
+    c, n = 0.75, 16
+    x = torch.randn(9, n).clamp(-2, 2)
+    x[0, :4] = c
+    x[1, :4] = -c
+    x[2, 4:8] = c
+    eye = torch.eye(n)
+    g = torch.randn(9, n)
+    # The shared expert with gate = up = x.
+    ins = [t.to(dtype).clone().requires_grad_(True) for t in (x, eye, eye, eye)]
+    mh._GatedMLP.apply(*ins, c).backward(g.to(dtype))
+    ref = [t.to(dtype).double().requires_grad_(True) for t in (x, eye, eye, eye)]
+    _gated_mlp_reference(*ref, c, dtype).backward(g.double())
+    # The routed experts' activation on [gate | up] rows.
+    up = torch.cat([x, x.flip(0)], 1).to(dtype).requires_grad_(True)
+    counts = torch.tensor([4, 5])
+    gy = torch.randn(9, n)
+    mh._ClampedSwiglu.apply(up, counts, c).backward(gy.to(dtype))
+    u64 = up.detach().double().requires_grad_(True)
+    gate, upper = u64.chunk(2, -1)
+    (torch.nn.functional.silu(gate.clamp(max=c)) * upper.clamp(-c, c)).backward(gy.double())
+    tol = FP32_REL if dtype == torch.float32 else 2.0 ** -5
+    at_limit = (x.abs() == c)
+    assert at_limit.sum() >= 12
+    for got, want in ((ins[0].grad, ref[0].grad), (up.grad, u64.grad)):
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * want.abs().max().item(), err
+    # the rows holding limit values have a nonzero reference gradient there (the case bites)
+    assert (ref[0].grad[:3].abs() > 0).sum() >= 12
+
+
+def test_shared_expert_second_order_and_transforms(rng):
+    """Double backward through the fused shared expert raises instead of dropping terms;
+    torch.func (vmap) and forward-mode AD run the module's own code and agree with it."""
+    ref = _build("qwen2_moe")
+    pat = copy.deepcopy(ref)
+    mh.apply(pat)
+    mlp, mlp_ref = pat.model.layers[0].mlp.shared_expert, ref.model.layers[0].mlp.shared_expert
+    H = ref.config.hidden_size
+    x = torch.randn(4, H, requires_grad=True)
+    (gx,) = torch.autograd.grad(mlp(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate"):
+        torch.autograd.grad(gx.sum(), x)
+    xs = torch.randn(3, 4, H)
+    assert torch.allclose(torch.func.vmap(mlp)(xs), torch.func.vmap(mlp_ref)(xs), atol=1e-6)
+    import torch.autograd.forward_ad as fwad
+    t = torch.randn(4, H)
+    outs = []
+    for m in (mlp, mlp_ref):
+        with fwad.dual_level():
+            outs.append(fwad.unpack_dual(m(fwad.make_dual(x.detach(), t))).tangent)
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    # an activation hooked after apply is honoured
+    for m in (mlp, mlp_ref):
+        m.act_fn.register_forward_hook(lambda _m, _i, o: o * 3.0)
+    assert torch.allclose(mlp(x), mlp_ref(x), atol=1e-6)
 
 
 def test_shared_expert_patch_reports_and_falls_back(rng):
@@ -732,7 +798,7 @@ def test_shared_expert_patch_reports_and_falls_back(rng):
     mlp.down_proj.float()
     restored = report.revert()
     assert "model.layers.0.mlp.shared_expert" in restored
-    assert type(mlp) is type(mlp_ref) and not hasattr(mlp, "_moegrad_clamp")
+    assert type(mlp) is type(mlp_ref) and not hasattr(mlp, "_moegrad_kind")
 
     biased = copy.deepcopy(ref)
     lin = biased.model.layers[1].mlp.shared_expert.gate_proj

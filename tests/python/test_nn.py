@@ -297,6 +297,24 @@ def test_huge_page_policy():
     assert isinstance(_C._free_page_reporting(), bool)
 
 
+def test_free_page_reporting_reads_bit_5(tmp_path):
+    """L225: a balloon's features file is '0'/'1' per bit, bit 0 first; bit 5 is free page
+    reporting. Any matching device with it set counts; short, empty or missing files do not."""
+    from moegrad import _C
+    cases = {"rep": "0110010100000000", "norep": "0110000100000000", "short": "01100",
+             "empty": ""}
+    for name, bits in cases.items():
+        d = tmp_path / name / "virtio0"
+        d.mkdir(parents=True)
+        (d / "features").write_text(bits + "\n")
+    got = {n: _C._free_page_reporting(str(tmp_path / n / "*" / "features")) for n in cases}
+    assert got == {"rep": True, "norep": False, "short": False, "empty": False}
+    assert _C._free_page_reporting(str(tmp_path / "none" / "*" / "features")) is False
+    (tmp_path / "norep" / "virtio1").mkdir()
+    (tmp_path / "norep" / "virtio1" / "features").write_text(cases["rep"])
+    assert _C._free_page_reporting(str(tmp_path / "norep" / "*" / "features")) is True
+
+
 def _default_advises_large() -> bool:
     from moegrad import _C
     return not _C._free_page_reporting()
