@@ -628,12 +628,20 @@ def _shared_modules(model: nn.Module, blocks: List[str]):
                 yield (f"{block}.{child}" if block else child), m
 
 
+def _seen(name: str, m: nn.Module, kind: str, report: Report) -> Tuple[str, bool]:
+    """(the module's own class name, whether an earlier apply already patched its class: then it
+    is reported as such)."""
+    original = getattr(type(m), "_moegrad_original_class", None)
+    cls = (original or type(m)).__name__
+    if original is not None:
+        report.patched.append(Entry(name, kind, cls, "already patched"))
+    return cls, original is not None
+
+
 def _apply_shared(shared, state, report: Report) -> None:
     for name, m in shared:
-        original = getattr(type(m), "_moegrad_original_class", None)
-        cls = (original or type(m)).__name__
-        if original is not None:
-            report.patched.append(Entry(name, "shared", cls, "already patched"))
+        cls, done = _seen(name, m, "shared", report)
+        if done:
             continue
         kind, reason = _shared_plan(m)
         if kind is None:
@@ -774,10 +782,8 @@ def _apply_experts(experts_list, state, report: Report) -> None:
 
 def _apply_routers(routers, state, report: Report) -> None:
     for name, r in routers:
-        original = getattr(type(r), "_moegrad_original_class", None)
-        cls = (original or type(r)).__name__
-        if original is not None:
-            report.patched.append(Entry(name, "router", cls, "already patched"))
+        cls, done = _seen(name, r, "router", report)
+        if done:
             continue
         if _is_hash_router(type(r)):
             report.left_alone.append(Entry(name, "router", cls, (

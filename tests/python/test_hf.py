@@ -760,6 +760,8 @@ def test_shared_expert_patch_reports_and_falls_back(rng):
     shared = [e for e in report.patched if e.kind == "shared"]
     assert [e.name for e in shared] == [f"model.layers.{i}.mlp.shared_expert" for i in (0, 1)]
     assert "swiglu_group" in shared[0].detail
+    again = [e for e in mh.apply(pat).patched if e.kind == "shared"]
+    assert [(e.name, e.detail) for e in again] == [(e.name, "already patched") for e in shared]
     ids = _ids(ref, (2, 12))
     ref_logits = ref(ids).logits
     assert (pat(ids).logits - ref_logits).abs().max() <= FP32_REL * ref_logits.abs().max()
