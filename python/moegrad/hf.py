@@ -160,15 +160,21 @@ def _plan_experts(m: nn.Module) -> Tuple[Optional[_ExpertsPlan], str]:
     act = getattr(m, "act_fn", None)
     if not _is_silu(act):
         return None, f"activation {type(act).__name__} is not SiLU (swiglu_group computes SiLU)"
-    if kind == "clamped":
-        limit = getattr(m, "limit", None)
-        if limit is None:
-            return _ExpertsPlan("swiglu"), ""
-        limit = float(limit)
-        if not (math.isfinite(limit) and limit > 0):
-            return None, f"clamp limit {limit} is not a positive finite number"
-        return _ExpertsPlan("swiglu", clamp=limit), ""
+    if kind == "clamped" and getattr(m, "limit", None) is not None:
+        limit, reason = _clamp_limit(m.limit)
+        return (_ExpertsPlan("swiglu", clamp=limit), "") if limit is not None else (None, reason)
     return _ExpertsPlan("swiglu"), ""
+
+
+def _clamp_limit(limit) -> Tuple[Optional[float], str]:
+    """(limit as a float, "") for a positive finite clamp limit, else (None, reason)."""
+    try:
+        value = float(limit)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        return None, f"clamp limit {limit} is not a positive finite number"
+    return value, ""
 
 
 def _check_inputs(m: nn.Module, x: Tensor, idx: Tensor, w: Tensor) -> None:
@@ -532,16 +538,7 @@ def _shared_kind(cls) -> Optional[str]:
 
 def _shared_limit(m: nn.Module, kind: str) -> Tuple[Optional[float], str]:
     """(clamp limit, -1.0 for none; "") of a shared expert of this kind, else (None, reason)."""
-    if kind == "gated":
-        return -1.0, ""
-    limit = getattr(m, "limit", None)
-    try:
-        value = float(limit)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        return None, f"clamp limit {limit} is not a positive finite number"
-    return value, ""
+    return (-1.0, "") if kind == "gated" else _clamp_limit(getattr(m, "limit", None))
 
 
 def _shared_plan(m: nn.Module) -> Tuple[Optional[str], str]:
