@@ -43,7 +43,7 @@ except ImportError as _e:  # pragma: no cover - exercised by a test with transfo
 import moegrad as _mg
 from moegrad._errors import ERR_PARAM_INVALID, MoeError
 from moegrad.nn import grouped_mm
-from moegrad.nn.moe import _host_sizes
+from moegrad.nn.moe import _host_sizes, _over_up_ok, _SwigluOverUp, _transforms_active
 
 __all__ = ["IMPLEMENTATION", "Report", "Entry", "apply", "revert", "experts_forward"]
 
@@ -250,6 +250,10 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
     if plan.activation == "clipped_swiglu":
         act = _mg.clipped_swiglu(up, counts, alpha=plan.alpha, limit=plan.limit, bias=1.0,
                                  interleaved=True)
+    elif _over_up_ok(up):
+        grad_clamp = _inclusive(plan.clamp) if plan.clamp > 0 else -1.0
+        act = _SwigluOverUp.apply(up, counts, plan.clamp, grad_clamp, _regen_up,
+                                  (rows, w_up, m.gate_up_proj_bias if has_bias else None))
     elif plan.clamp > 0:
         act = _ClampedSwiglu.apply(up, counts, plan.clamp)
     else:
@@ -270,9 +274,15 @@ def _inclusive(limit: float) -> float:
     return struct.unpack("<f", struct.pack("<I", bits + 1))[0]
 
 
+def _regen_up(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """The up GEMM again, for a second backward through the same graph (L228)."""
+    return _expert_gemm(rows, w, counts, None, bias)
+
+
 class _ClampedSwiglu(torch.autograd.Function):
     """swiglu_group with DeepSeek-V4's clamp (gate <= c, |up| <= c) over the expert rows, its
-    gradient passing at exactly the limit as transformers' torch.clamp does (L227)."""
+    gradient passing at exactly the limit as transformers' torch.clamp does (L227), into a new
+    tensor (on the CPU in eager mode the backend takes _SwigluOverUp instead, L228)."""
 
     @staticmethod
     def forward(ctx, up, counts, clamp):
@@ -569,15 +579,6 @@ def _plain(lin: nn.Module) -> bool:
     quantised or sharded one) and no hooks."""
     return (type(lin) is nn.Linear and lin.bias is None and _unhooked(lin)
             and type(lin.weight) in (nn.Parameter, Tensor))
-
-
-def _transforms_active() -> bool:
-    """torch.func transforms (vmap, grad, jacrev) or forward-mode AD, which _GatedMLP does not
-    implement; the module's own code supports them."""
-    if torch.compiler.is_compiling():
-        return False
-    from torch.autograd import forward_ad
-    return bool(torch._C._are_functorch_transforms_active()) or forward_ad._current_level >= 0
 
 
 def _global_hooks() -> bool:

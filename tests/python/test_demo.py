@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import moegrad
+import moegrad.nn.moe as moe_mod
 from moegrad.ops import finalize_routing, gating_topk, swiglu
 from moegrad import demo
 
@@ -115,17 +116,21 @@ def test_demo_as_a_command_writes_json_and_plot(tmp_path, text_file, seed):
 
 def _counting(monkeypatch, name, counts, transform=None):
     """Replace <name> in its family module (what the autograd formulas call) by a counting
-    wrapper."""
-    family = {"moe_gating_top_k_backward": gating_topk, "moe_finalize_routing_grad":
-              finalize_routing, "swiglu_group_quant_backward": swiglu}[name]
-    orig = getattr(family, name)
+    wrapper; the SwiGLU backward also where the layer calls it on the CPU to write its gradient
+    over its input (L228)."""
+    targets = {"moe_gating_top_k_backward": [(gating_topk, name)],
+               "moe_finalize_routing_grad": [(finalize_routing, name)],
+               "swiglu_group_quant_backward": [(swiglu, name),
+                                               (moe_mod, "_swiglu_group_backward_over_x")]}[name]
+    for module, attr in targets:
+        orig = getattr(module, attr)
 
-    def wrapper(*args, **kwargs):
-        counts[name] = counts.get(name, 0) + 1
-        out = orig(*args, **kwargs)
-        return transform(out) if transform is not None else out
+        def wrapper(*args, _orig=orig, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            out = _orig(*args, **kwargs)
+            return transform(out) if transform is not None else out
 
-    monkeypatch.setattr(family, name, wrapper)
+        monkeypatch.setattr(module, attr, wrapper)
 
 
 def test_demo_training_path_runs_all_three_backward_kernels(tmp_path, text_file, seed,

@@ -31,6 +31,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import moegrad
 import moegrad.hf as mh
+import moegrad.nn.moe as moe_mod
 
 ARCHS = mh.ARCHITECTURES
 HAS_CLIPPED = getattr(moegrad, "clipped_swiglu", None) is not None
@@ -686,11 +687,13 @@ def test_shared_expert_fused_matches_float64(rows, limit, dtype, frozen, rng):
         assert (pre > limit).any()
 
 
+@pytest.mark.parametrize("over_up", [False, True], ids=["new", "over_up"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_clamp_gradient_passes_at_the_limit(dtype, rng):
+def test_clamp_gradient_passes_at_the_limit(dtype, over_up, rng):
     """L227: DeepSeek-V4's clamps are torch.clamp, whose gradient passes at exactly the limit;
     both clamped paths of the backend (the routed experts' activation and the shared expert)
-    must give it there, where swiglu_group's own strict mask (D11) gives none. Identity
+    must give it there, where swiglu_group's own strict mask (D11) gives none, whether the
+    activation's gradient goes to a new tensor or over the up rows (L228). Identity
     projections put gate and up values exactly on +-limit (0.75, exact in bf16)."""
     c, n = 0.75, 16
     x = torch.randn(9, n).clamp(-2, 2)
@@ -708,7 +711,13 @@ def test_clamp_gradient_passes_at_the_limit(dtype, rng):
     up = torch.cat([x, x.flip(0)], 1).to(dtype).requires_grad_(True)
     counts = torch.tensor([4, 5])
     gy = torch.randn(9, n)
-    mh._ClampedSwiglu.apply(up, counts, c).backward(gy.to(dtype))
+    if over_up:  # up * 1: the tensor the backward overwrites is not the leaf
+        eye2 = torch.eye(2 * n, dtype=dtype).expand(2, -1, -1)
+        act = mh._SwigluOverUp.apply(up * 1, counts, c, mh._inclusive(c), mh._regen_up,
+                                     (up, eye2, None))
+    else:
+        act = mh._ClampedSwiglu.apply(up, counts, c)
+    act.backward(gy.to(dtype))
     u64 = up.detach().double().requires_grad_(True)
     gate, upper = u64.chunk(2, -1)
     (torch.nn.functional.silu(gate.clamp(max=c)) * upper.clamp(-c, c)).backward(gy.double())
@@ -720,6 +729,46 @@ def test_clamp_gradient_passes_at_the_limit(dtype, rng):
         assert err <= tol * want.abs().max().item(), err
     # the rows holding limit values have a nonzero reference gradient there (the case bites)
     assert (ref[0].grad[:3].abs() > 0).sum() >= 12
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v4"])
+def test_retained_graph_second_backward_recomputes_the_up_rows(arch, rng, monkeypatch):
+    """L228: on the CPU the routed experts' activation gradient is written over the up GEMM's
+    output. A second backward through the same graph (retain_graph=True) finds it overwritten
+    and must recompute it: both backwards give bitwise the same gradients, and those agree with
+    the eager experts' (plain SwiGLU, and DeepSeek-V4's clamp)."""
+    over = []
+    real = moe_mod._swiglu_group_backward_over_x
+    monkeypatch.setattr(moe_mod, "_swiglu_group_backward_over_x",
+                        lambda gy, up, *a: over.append(up.data_ptr()) or real(gy, up, *a))
+    model = _build(arch)
+    i, ref = _moe_block(model)
+    pat_model = copy.deepcopy(model)
+    mh.apply(pat_model)
+    pat = pat_model.model.layers[i].mlp
+    H = model.config.hidden_size
+    x, g = torch.randn(2, 16, H), torch.randn(2, 16, H)
+    runs = []
+    for blk in (ref, pat):
+        xi = x.clone().requires_grad_(True)
+        y = _call(blk, xi)
+        grads = []
+        for retain in (True, False):
+            blk.zero_grad(set_to_none=True)
+            xi.grad = None
+            y.backward(g, retain_graph=retain)
+            grads.append({"input": xi.grad.clone(), **{n: p.grad.clone() for n, p in
+                                                       blk.named_parameters() if p.grad is not None}})
+        runs.append(grads)
+    assert len(over) == 2, "the patched backward writes the gradient over the up rows"
+    (ref1, ref2), (pat1, pat2) = runs
+    assert set(pat1) == set(pat2) == set(ref1)
+    for name in pat1:
+        assert torch.equal(pat1[name], pat2[name]), name
+        scale = ref1[name].abs().max().item()
+        err = (pat1[name] - ref1[name]).abs().max().item()
+        rel = FP32_REL * (ROUTER_REL_FACTOR if _is_router_param("." + name) else 1.0)
+        assert err <= rel * max(scale, 1e-30), (name, err, scale)
 
 
 def test_shared_expert_second_order_and_transforms(rng):

@@ -125,6 +125,69 @@ def test_layer_matches_float64_reference(cfg, seed):
         assert err <= 1e-4 * scale + 1e-6, f"{n}: max err {err:.3e} vs scale {scale:.3e}"
 
 
+RETAIN_CONFIGS = CONFIGS + [dict(score="softmax", expert_bias=True, shared_experts=1),
+                            dict(score="softmax", expert_bias=True, capacity_factor=1.0)]
+
+
+@pytest.mark.parametrize("cfg", RETAIN_CONFIGS, ids=[str(i) for i in range(len(RETAIN_CONFIGS))])
+def test_retained_graph_second_backward_recomputes_the_up_rows(cfg, seed, monkeypatch):
+    """L228: on the CPU the SwiGLU backward writes its gradient over the up GEMM's output
+    (routed experts, capacity mode, shared experts, with and without expert biases). Its
+    gradients are bitwise those of the operator path (which test_layer_matches_float64_reference
+    checks against float64); a second backward through the same graph (retain_graph=True) must
+    recompute the overwritten rows and give bitwise the same again; with create_graph the
+    first-order gradient is the same."""
+    import moegrad.nn.moe as moe_mod
+    over = []
+    real = moe_mod._swiglu_group_backward_over_x
+    monkeypatch.setattr(moe_mod, "_swiglu_group_backward_over_x",
+                        lambda gy, up, *a: over.append(up.shape) or real(gy, up, *a))
+    torch.manual_seed(seed)
+    H, F_, E, K = 12, 8, 8, 2
+    m = MoE(H, F_, E, K, **cfg)
+    x = torch.randn(3, 7, H, requires_grad=True)
+    g = torch.randn(3, 7, H)
+    y = m(x)
+    grads = []
+    for retain in (True, False):
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        y.backward(g, retain_graph=retain)
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()
+                                         if p.grad is not None])
+    per_backward = 1 + (cfg.get("shared_experts", 0) > 0)
+    assert len(over) == 2 * per_backward, over
+    assert len(grads[0]) == len(grads[1]) > 1
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # the operator path (a new gradient tensor) gives the same bits
+    monkeypatch.setattr(moe_mod, "_over_up_ok", lambda up: False)
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    m(x).backward(g)
+    assert len(over) == 2 * per_backward
+    plain = [x.grad] + [p.grad for p in m.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], plain))
+    monkeypatch.undo()
+    # create_graph: the first-order gradient is the same (the operator path, L151)
+    gx, = torch.autograd.grad(m(x), x, g, create_graph=True)
+    assert torch.allclose(gx, grads[0][0], rtol=1e-6, atol=1e-7)
+
+
+def test_swiglu_over_up_under_create_graph_keeps_the_operator_refusal():
+    """Under create_graph the activation's gradient must carry a graph (the registered operator,
+    whose double backward raises, L151), not come from the in-place kernel with none: a silent
+    second-order gradient without the SwiGLU terms."""
+    import moegrad.nn.moe as moe_mod
+    a = torch.randn(6, 10, requires_grad=True)
+    up = a * 1
+    y = moe_mod._SwigluOverUp.apply(up, torch.tensor([2, 4]), -1.0, -1.0, moe_mod._regen_mm,
+                                    (a, torch.eye(10)))
+    ga, = torch.autograd.grad(y, a, torch.randn(6, 5), create_graph=True)
+    assert ga.requires_grad
+    with pytest.raises(moegrad.MoeError, match="double backward is not supported"):
+        ga.square().sum().backward()
+
+
 def test_zero_tokens_and_2d_input():
     m = MoE(8, 4, 4, 2)
     x = torch.zeros(0, 8, requires_grad=True)

@@ -365,3 +365,35 @@ def test_swiglu_row_count_is_the_exact_sum(group, rows, rng):
     assert bool((gx[rows:] == 0).all()) and bool((gx[:rows] != 0).any() or rows == 0)
     q, s, _ = moegrad.swiglu_group_quant(x, group_index=gi)
     assert bool((q.view(torch.uint8)[rows:] == 0).all()) and bool((s[rows:] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# the gradient written over x (L228: moegrad.hf's routed experts on the CPU)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(37, 33), (9, 1), (0, 16), (256, 1024), (2080, 1024)],
+                         ids=["odd", "H1", "0rows", "blocks", "streamed"])
+@pytest.mark.parametrize("group_case", ["none", "below", "equal"])
+@CLAMP
+@dtype_params
+def test_swiglu_backward_over_x_equals_a_new_output(dtype, clamp_limit, group_case, shape, rng):
+    """The kernel reads each row's gate and up before it stores their gradient over them: the
+    result written over x is bitwise the one written into a new (poisoned) buffer, rows past the
+    groups zeroed, at sizes that take the chunk path (odd H, H = 1), the 64-column block path
+    with plain and (outputs of 8 MiB and more, L72) non-temporal stores, and several threads. A non-contiguous x gets a new tensor and is left as it was."""
+    from moegrad.ops.swiglu import _swiglu_group_backward_over_x
+    T, H = shape
+    x, _, gy, _ = make_case(rng, dtype, None, H=H, T=T)
+    gi = group_index_for(group_case, T, rng) if T else None
+    want, _ = run_backward("lowlevel", gy, x, None, None, gi, clamp_limit)
+    over = x.clone()
+    got = _swiglu_group_backward_over_x(gy, over, gi, clamp_limit)
+    assert got.data_ptr() == over.data_ptr()
+    assert torch.equal(got.view(torch.uint8) if T else got, want.view(torch.uint8) if T else want)
+    check_backward((got, None), gy, x, None, None, gi, clamp_limit)
+    strided = torch.cat([x, x], -1)[:, : 2 * H] if T else x[:, ::1]
+    if T:
+        assert not strided.is_contiguous()
+        before = strided.clone()
+        fresh = _swiglu_group_backward_over_x(gy, strided, gi, clamp_limit)
+        assert fresh.data_ptr() != strided.data_ptr() and torch.equal(strided, before)
+        assert torch.equal(fresh.view(torch.uint8), want.view(torch.uint8))

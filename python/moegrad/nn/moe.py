@@ -20,6 +20,7 @@ from torch import Tensor
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
 from moegrad.ops._registry import _op
+from moegrad.ops.swiglu import _swiglu_group_backward_over_x
 
 __all__ = ["MoE", "expert_parameters", "non_expert_parameters", "all_reduce_non_expert_grads"]
 
@@ -207,6 +208,67 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor,
     return _grouped_mm_op(x.contiguous(), w if _mm_layout(w) else w.contiguous(),
                           counts if host_counts is None else host_counts,
                           None if bias is None else bias.contiguous())
+
+
+# ------------------------------------------------------ the activation's gradient over `up` --
+def _transforms_active() -> bool:
+    """torch.func transforms (vmap, grad, jacrev) or forward-mode AD, which the autograd
+    Functions here (and moegrad.hf's) do not implement (False while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.autograd import forward_ad
+    return bool(torch._C._are_functorch_transforms_active()) or forward_ad._current_level >= 0
+
+
+def _over_up_ok(up: Tensor) -> bool:
+    """Whether the SiLU activation's backward may write its gradient over `up` (L228): eager, on
+    the CPU (where a new buffer is faulted in page by page; CUDA's allocator reuses blocks), up
+    needing a gradient, no torch.func transform or forward-mode AD."""
+    return (up.device.type == "cpu" and up.requires_grad and not torch.compiler.is_compiling()
+            and not _transforms_active())
+
+
+class _SwigluOverUp(torch.autograd.Function):
+    """swiglu_group(up, group_index=counts, clamp_limit=clamp) whose backward writes the gradient
+    of `up` over `up` itself (L228), with the clamp limit grad_clamp. `up` must be a tensor that
+    no other autograd node reads: the output of the GEMM regen(counts, *operands) (or its bias
+    add). A second backward through the same graph (retain_graph) finds `up` overwritten and
+    first recomputes it with regen from the saved operands. Under create_graph the gradient goes
+    to a new tensor through the registered operator."""
+
+    @staticmethod
+    def forward(ctx, up, counts, clamp, grad_clamp, regen, operands):
+        ctx.grad_clamp, ctx.regen, ctx.spent = grad_clamp, regen, False
+        ctx.save_for_backward(up, counts, *operands)
+        return _mg.swiglu_group(up, group_index=counts, clamp_limit=clamp)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        up, counts, *operands = ctx.saved_tensors
+        if ctx.spent:
+            with torch.no_grad():
+                up = ctx.regen(counts, *operands)
+        if torch.is_grad_enabled():
+            # create_graph: the operator records the graph, and a second-order gradient through
+            # it raises its "double backward is not supported" error (L150, L151).
+            grad, _ = _mg.swiglu_group_quant_backward(grad_y, up, group_index=counts,
+                                                      clamp_limit=ctx.grad_clamp)
+        else:
+            ctx.spent = True
+            grad = _swiglu_group_backward_over_x(grad_y, up, counts, ctx.grad_clamp)
+        return grad, None, None, None, None, None
+
+
+def _regen_grouped(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return MoE._add_bias(grouped_mm(rows, w, counts), bias, counts)
+
+
+def _regen_padded(_counts, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return MoE._add_bias(torch.bmm(rows, w), bias, None)
+
+
+def _regen_mm(_counts, x: Tensor, w: Tensor) -> Tensor:
+    return x @ w
 
 
 # -------------------------------------------------------------------- expert-parallel comms --
@@ -477,12 +539,16 @@ class MoE(nn.Module):
         else:
             self.register_parameter("gate_bias", None)
 
-    def _act(self, up: Tensor, group_index: Optional[Tensor] = None) -> Tensor:
-        """The expert activation of up [rows, 2F] -> [rows, F]."""
+    def _act(self, up: Tensor, group_index: Optional[Tensor], regen, operands) -> Tensor:
+        """The expert activation of up [rows, 2F] -> [rows, F]; up = regen(group_index,
+        *operands), which the SiLU activation's backward may overwrite (L228)."""
         if self.activation == "clipped_swiglu":
             return _mg.clipped_swiglu(up, group_index, alpha=self.swiglu_alpha,
                                       limit=self.swiglu_limit, bias=self.swiglu_offset,
                                       interleaved=self.swiglu_interleaved)
+        if _over_up_ok(up):
+            return _SwigluOverUp.apply(up, group_index, self.clamp_limit, self.clamp_limit,
+                                       regen, operands)
         return _mg.swiglu_group(up, group_index=group_index, clamp_limit=self.clamp_limit)
 
     @staticmethod
@@ -619,19 +685,20 @@ class MoE(nn.Module):
         """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
         host = _host_sizes(counts, rows, self.w_up, self.w_down)
         up = self._add_bias(grouped_mm(rows, self.w_up, counts, host), self.b_up, counts)
-        act = self._act(up, counts)
+        act = self._act(up, counts, _regen_grouped, (rows, self.w_up, self.b_up))
         return self._add_bias(grouped_mm(act, self.w_down, counts, host), self.b_down, counts)
 
     def _experts_padded(self, rows: Tensor) -> Tensor:
         """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""
         up = self._add_bias(torch.bmm(rows, self.w_up), self.b_up, None)
-        act = self._act(up)
+        act = self._act(up, None, _regen_padded, (rows, self.w_up, self.b_up))
         return self._add_bias(torch.bmm(act, self.w_down), self.b_down, None)
 
     def _shared(self, x: Tensor) -> Optional[Tensor]:
         if self.shared_up is None:
             return None
-        return self._act(x @ self.shared_up) @ self.shared_down
+        up = x @ self.shared_up
+        return self._act(up, None, _regen_mm, (x, self.shared_up)) @ self.shared_down
 
     def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         shape = x.shape

@@ -71,6 +71,20 @@ def _(grad_y, x, weight=None, y_origin=None, group_index=None, clamp_limit=-1.0)
     return x.new_empty(x.shape), x.new_empty(gw_shape, dtype=torch.float32)
 
 
+def _swiglu_group_backward_over_x(grad_y: Tensor, x: Tensor, group_index: Optional[Tensor],
+                                  clamp_limit: float = -1.0) -> Tensor:
+    """swiglu_group_quant_backward's grad_x (no weight) written over x itself when x is a
+    contiguous CPU tensor (each row's gate and up are read before their gradient is stored over
+    them; docs/decisions.md L228), else into a new tensor. Returns the gradient. Not an operator:
+    autograd does not see the write, so x must be a tensor that nothing else reads afterwards
+    (moegrad.hf's up-GEMM output). Same validation and errors as swiglu_group_quant_backward."""
+    if x.device.type != "cpu" or not x.is_contiguous():
+        return swiglu_group_quant_backward(grad_y, x, None, None, group_index, clamp_limit)[0]
+    _C.swiglu_group_quant_backward(grad_y.contiguous(), x, None, None, _contig(group_index),
+                                   clamp_limit, x, None)
+    return x
+
+
 def _swiglu_setup(ctx, inputs, output):
     x, weight, group_index, clamp_limit = _args(inputs, (None, None, None, -1.0))
     ctx.clamp_limit = clamp_limit

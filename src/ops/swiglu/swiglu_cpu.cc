@@ -314,16 +314,18 @@ constexpr bool kBackwardPrefetch = true;
 // (kPairs: 16-bit data) or one by one (non-temporal with kStream), and with kGw the block's
 // grad_y * y_origin products added into acc[] (the 64 partial sums of L95, in column order, from
 // the widened grad_y of the gradient). Returns the first column not done (a multiple of 64).
+// grad_x may be x itself (docs/decisions.md L228): a block's gate and up are loaded before its
+// gradient is stored over them, hence no restrict on x0, x1 and g0.
 template <bool kPairs, bool kStream, bool kNarrow2, bool kGw, typename T, bool kClamp>
-HWY_INLINE int64_t BackwardRowBlocks(const T* HWY_RESTRICT x0, const T* HWY_RESTRICT x1,
+HWY_INLINE int64_t BackwardRowBlocks(const T* x0, const T* x1,
                                      const T* HWY_RESTRICT gyr, const T* HWY_RESTRICT yor,
-                                     T* HWY_RESTRICT g0, int64_t H, VF w,
+                                     T* g0, int64_t H, VF w,
                                      const SwigluClamp<kClamp> clamp, VF* HWY_RESTRICT acc) {
   const DF d;
   const int64_t V = static_cast<int64_t>(hn::Lanes(d));
   constexpr int64_t B = static_cast<int64_t>(kGwLanes);
   constexpr int64_t kLine = 64;  // bytes per prefetch
-  T* HWY_RESTRICT g1 = g0 + H;
+  T* g1 = g0 + H;
   VF sum[kGwVecs];
   if constexpr (kGw) {
     for (size_t k = 0; k < kGwVecs; ++k) sum[k] = acc[k];
