@@ -173,19 +173,53 @@ def test_retained_graph_second_backward_recomputes_the_up_rows(cfg, seed, monkey
     assert torch.allclose(gx, grads[0][0], rtol=1e-6, atol=1e-7)
 
 
-def test_swiglu_over_up_under_create_graph_keeps_the_operator_refusal():
+@pytest.mark.parametrize("retained_first", [False, True], ids=["first", "after_retained"])
+def test_swiglu_over_up_under_create_graph_keeps_the_operator_refusal(retained_first):
     """Under create_graph the activation's gradient must carry a graph (the registered operator,
     whose double backward raises, L151), not come from the in-place kernel with none: a silent
-    second-order gradient without the SwiGLU terms."""
+    second-order gradient without the SwiGLU terms. Also after a retained backward has
+    overwritten the rows: their recomputation must then keep its graph too (the upstream
+    gradient here is a constant, so nothing else would record it)."""
     import moegrad.nn.moe as moe_mod
     a = torch.randn(6, 10, requires_grad=True)
-    up = a * 1
-    y = moe_mod._SwigluOverUp.apply(up, torch.tensor([2, 4]), -1.0, -1.0, moe_mod._regen_mm,
-                                    (a, torch.eye(10)))
-    ga, = torch.autograd.grad(y, a, torch.randn(6, 5), create_graph=True)
-    assert ga.requires_grad
+    w = torch.randn(10, 10, requires_grad=True)
+    gy = torch.randn(6, 5)
+    y = moe_mod._SwigluOverUp.apply(a @ w, torch.tensor([2, 4]), -1.0, -1.0, moe_mod._regen_mm,
+                                    (a, w))
+    if retained_first:
+        y.backward(gy, retain_graph=True)
+    gw, = torch.autograd.grad(y, w, gy, create_graph=True)
+    assert gw.requires_grad
     with pytest.raises(moegrad.MoeError, match="double backward is not supported"):
-        ga.square().sum().backward()
+        torch.autograd.grad(gw.square().sum(), a)
+
+
+def test_layer_under_fake_tensor_mode_and_dispatch_modes():
+    """Shape-only runs (FakeTensorMode, as memory and FLOP estimators use) and op loggers (a
+    TorchDispatchMode on real tensors) take the operator path: the in-place kernel would read
+    a FakeTensor's missing data, and a logger would not see the SwiGLU backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m = MoE(16, 8, 4, 2, shared_experts=1, capacity_factor=1.0)
+        x = torch.randn(10, 16, requires_grad=True)
+        m(x).sum().backward()
+        assert x.grad.shape == (10, 16) and m.w_up.grad.shape == m.w_up.shape
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    m = MoE(16, 8, 4, 2)
+    x = torch.randn(10, 16, requires_grad=True)
+    with Log() as log:
+        m(x).sum().backward()
+    assert "moegrad.swiglu_group_quant_backward.default" in log.ops
 
 
 def test_zero_tokens_and_2d_input():

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 import moegrad as _mg  # the public functions, looked up at call time (patchable in tests)
 from moegrad.ops._registry import _op
@@ -223,8 +224,10 @@ def _transforms_active() -> bool:
 def _over_up_ok(up: Tensor) -> bool:
     """Whether the SiLU activation's backward may write its gradient over `up` (L228): eager, on
     the CPU (where a new buffer is faulted in page by page; CUDA's allocator reuses blocks), up
-    needing a gradient, no torch.func transform or forward-mode AD."""
-    return (up.device.type == "cpu" and up.requires_grad and not torch.compiler.is_compiling()
+    a plain tensor (not a FakeTensor or another subclass) needing a gradient, no dispatch mode
+    (FakeTensorMode, an op logger: they see the operator), torch.func transform or forward AD."""
+    return (type(up) is Tensor and up.device.type == "cpu" and up.requires_grad
+            and not torch.compiler.is_compiling() and _current_dispatch_mode() is None
             and not _transforms_active())
 
 
@@ -245,12 +248,13 @@ class _SwigluOverUp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         up, counts, *operands = ctx.saved_tensors
-        if ctx.spent:
-            with torch.no_grad():
-                up = ctx.regen(counts, *operands)
-        if torch.is_grad_enabled():
+        if ctx.spent:  # with create_graph the recomputed rows keep their graph (L151 holds)
+            up = ctx.regen(counts, *operands)
+        if (torch.is_grad_enabled() or type(up) is not Tensor
+                or _current_dispatch_mode() is not None):
             # create_graph: the operator records the graph, and a second-order gradient through
-            # it raises its "double backward is not supported" error (L150, L151).
+            # it raises its "double backward is not supported" error (L150, L151). A mode
+            # entered around the backward sees the operator.
             grad, _ = _mg.swiglu_group_quant_backward(grad_y, up, group_index=counts,
                                                       clamp_limit=ctx.grad_clamp)
         else:
