@@ -1,8 +1,9 @@
-"""Helpers shared by test_validation / test_autograd / test_torch_integration / test_determinism.
+"""Helpers shared by test_validation / test_autograd / test_torch_integration / test_determinism
+/ test_execution / test_nn.
 
 Kept separate from conftest.py (owned by the numerical-test suite). Nothing here computes a
 kernel result: the helpers poison buffers, snapshot their bytes, match argument names in error
-messages, and hand out seeded generators.
+messages, hand out seeded generators and record the operators a dispatch mode sees.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 
@@ -159,3 +161,17 @@ def noncontig(t: torch.Tensor) -> torch.Tensor:
     assert not out.is_contiguous()
     assert torch.equal(out, t) or (t.is_floating_point() and torch.equal(out.isnan(), t.isnan()))
     return out
+
+
+# ------------------------------------------------------------------------- dispatch modes --
+
+class OpRecorder(TorchDispatchMode):
+    """A dispatch mode that records the name of every operator it sees (in .ops) and runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import moegrad
 from moegrad import _C
 from moegrad.ops._registry import OPS
-from _util_validation import gen  # noqa: F401  (fixture: a seeded torch.Generator)
+from _util_validation import OpRecorder, gen  # noqa: F401  (gen: a seeded torch.Generator)
 
 PARAM_INVALID, FINALIZE = 161002, 561103
 
@@ -103,23 +103,13 @@ def test_bound_outputs_are_checked_against_the_plan(gen):
     assert e.value.code == 561002 and "y" in str(e.value)
 
 
-class _Recorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("i", [1, 2, 3])
 def test_int64_indices_reach_cpp_without_a_host_read(gen, i):
     calls64 = _calls(torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,),
                                                                     generator=gen))))
     name, _, args, kwargs = calls64[i]
     impl = OPS[name]._init_fn  # the op's eager body, under the recorder
-    rec = _Recorder()
+    rec = OpRecorder()
     with rec:
         out64 = impl(*args, **kwargs)
     reads = [op for op in rec.ops

@@ -199,25 +199,16 @@ def test_layer_under_fake_tensor_mode_and_dispatch_modes():
     TorchDispatchMode on real tensors) take the operator path: the in-place kernel would read
     a FakeTensor's missing data, and a logger would not see the SwiGLU backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from _util_validation import OpRecorder
     with FakeTensorMode(allow_non_fake_inputs=True):
         m = MoE(16, 8, 4, 2, shared_experts=1, capacity_factor=1.0)
         x = torch.randn(10, 16, requires_grad=True)
         m(x).sum().backward()
         assert x.grad.shape == (10, 16) and m.w_up.grad.shape == m.w_up.shape
 
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     m = MoE(16, 8, 4, 2)
     x = torch.randn(10, 16, requires_grad=True)
-    with Log() as log:
+    with OpRecorder() as log:
         m(x).sum().backward()
     assert "moegrad.swiglu_group_quant_backward.default" in log.ops
 
