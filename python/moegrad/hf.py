@@ -251,11 +251,10 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
         act = _mg.clipped_swiglu(up, counts, alpha=plan.alpha, limit=plan.limit, bias=1.0,
                                  interleaved=True)
     elif _over_up_ok(up):
-        grad_clamp = _inclusive(plan.clamp) if plan.clamp > 0 else -1.0
-        act = _SwigluOverUp.apply(up, counts, plan.clamp, grad_clamp, _regen_up,
+        act = _SwigluOverUp.apply(up, counts, plan.clamp, _inclusive(plan.clamp), _regen_up,
                                   (rows, w_up, m.gate_up_proj_bias if has_bias else None))
-    elif plan.clamp > 0:
-        act = _ClampedSwiglu.apply(up, counts, plan.clamp)
+    elif plan.clamp > 0:  # the operator's gradient, at the torch.clamp limit (L227)
+        act = _SwigluOverUp.apply(up, counts, plan.clamp, _inclusive(plan.clamp), None, ())
     else:
         act = _mg.swiglu_group(up, group_index=counts)
     out = _expert_gemm(act, w_down, counts, host, None)
@@ -266,10 +265,13 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
 
 
 def _inclusive(limit: float) -> float:
-    """The float32 just above float32(limit). swiglu_group's backward masks the gradient of a
-    clamped value strictly (D11: none at exactly the limit); transformers' clamps are torch.clamp,
-    whose gradient passes at the limit. A strict mask at this bound is torch's inclusive one at
-    the limit, for float32 values and anything narrower (L227)."""
+    """The float32 just above float32(limit) for a clamp limit > 0; a limit <= 0 (no clamp) as
+    given. swiglu_group's backward masks the gradient of a clamped value strictly (D11: none at
+    exactly the limit); transformers' clamps are torch.clamp, whose gradient passes at the
+    limit. A strict mask at this bound is torch's inclusive one at the limit, for float32 values
+    and anything narrower (L227)."""
+    if limit <= 0:
+        return limit
     bits = struct.unpack("<I", struct.pack("<f", limit))[0]
     return struct.unpack("<f", struct.pack("<I", bits + 1))[0]
 
@@ -277,26 +279,6 @@ def _inclusive(limit: float) -> float:
 def _regen_up(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
     """The up GEMM again, for a second backward through the same graph (L228)."""
     return _expert_gemm(rows, w, counts, None, bias)
-
-
-class _ClampedSwiglu(torch.autograd.Function):
-    """swiglu_group with DeepSeek-V4's clamp (gate <= c, |up| <= c) over the expert rows, its
-    gradient passing at exactly the limit as transformers' torch.clamp does (L227), into a new
-    tensor (on the CPU in eager mode the backend takes _SwigluOverUp instead, L228)."""
-
-    @staticmethod
-    def forward(ctx, up, counts, clamp):
-        ctx.save_for_backward(up, counts)
-        ctx.clamp = clamp
-        return _mg.swiglu_group(up, group_index=counts, clamp_limit=clamp)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y):
-        up, counts = ctx.saved_tensors
-        grad, _ = _mg.swiglu_group_quant_backward(grad_y, up, group_index=counts,
-                                                  clamp_limit=_inclusive(ctx.clamp))
-        return grad, None, None
 
 
 def _own_forward(m: nn.Module) -> Callable:
@@ -514,9 +496,8 @@ class _GatedMLP(torch.autograd.Function):
         grad_down = torch.mm(gy.t(), act) if need_down else None
         grad_x = grad_gate = grad_up = None
         if need_x or need_gate or need_up:
-            clamp = _inclusive(ctx.clamp) if ctx.clamp > 0 else -1.0
             grad_gu, _ = _mg.swiglu_group_quant_backward(torch.mm(gy, w_down), gate_up,
-                                                         clamp_limit=clamp)
+                                                         clamp_limit=_inclusive(ctx.clamp))
             g_gate, g_up = grad_gu[:, :inter], grad_gu[:, inter:]
             if need_x:
                 grad_x = torch.addmm(torch.mm(g_gate, w_gate), g_up, w_up).view(ctx.x_shape)

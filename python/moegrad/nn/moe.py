@@ -236,8 +236,8 @@ class _SwigluOverUp(torch.autograd.Function):
     of `up` over `up` itself (L228), with the clamp limit grad_clamp. `up` must be a tensor that
     no other autograd node reads: the output of the GEMM regen(counts, *operands) (or its bias
     add). A second backward through the same graph (retain_graph) finds `up` overwritten and
-    first recomputes it with regen from the saved operands. Under create_graph the gradient goes
-    to a new tensor through the registered operator."""
+    first recomputes it with regen from the saved operands. With regen None, and under
+    create_graph, the gradient goes to a new tensor through the registered operator."""
 
     @staticmethod
     def forward(ctx, up, counts, clamp, grad_clamp, regen, operands):
@@ -250,7 +250,7 @@ class _SwigluOverUp(torch.autograd.Function):
         up, counts, *operands = ctx.saved_tensors
         if ctx.spent:  # with create_graph the recomputed rows keep their graph (L151 holds)
             up = ctx.regen(counts, *operands)
-        if (torch.is_grad_enabled() or type(up) is not Tensor
+        if (ctx.regen is None or torch.is_grad_enabled() or type(up) is not Tensor
                 or _current_dispatch_mode() is not None):
             # create_graph: the operator records the graph, and a second-order gradient through
             # it raises its "double backward is not supported" error (L150, L151). A mode

@@ -77,7 +77,7 @@ def _swiglu_group_backward_over_x(grad_y: Tensor, x: Tensor, group_index: Option
     contiguous CPU tensor (each row's gate and up are read before their gradient is stored over
     them; docs/decisions.md L228), else into a new tensor. Returns the gradient. Not an operator:
     autograd does not see the write, so x must be a tensor that nothing else reads afterwards
-    (moegrad.hf's up-GEMM output). Same validation and errors as swiglu_group_quant_backward."""
+    (the up-GEMM output of moegrad.nn.MoE and moegrad.hf). Same validation and errors as swiglu_group_quant_backward."""
     if x.device.type != "cpu" or not x.is_contiguous():
         return swiglu_group_quant_backward(grad_y, x, None, None, group_index, clamp_limit)[0]
     _C.swiglu_group_quant_backward(grad_y.contiguous(), x, None, None, _contig(group_index),
