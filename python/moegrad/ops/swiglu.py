@@ -73,9 +73,11 @@ def _(grad_y, x, weight=None, y_origin=None, group_index=None, clamp_limit=-1.0)
 
 def _swiglu_group_backward_over_x(grad_y: Tensor, x: Tensor, group_index: Optional[Tensor],
                                   clamp_limit: float = -1.0) -> Tensor:
-    """swiglu_group_quant_backward's grad_x (no weight) written over x itself when x is a
-    contiguous CPU tensor (each row's gate and up are read before their gradient is stored over
-    them; docs/decisions.md L228), else into a new tensor. Returns the gradient. Not an operator:
+    """swiglu_group_quant_backward's grad_x (no weight; docs/operators.md §5) written over x
+    itself when x is a contiguous CPU tensor (each row's gate and up are read before their
+    gradient is stored over them; docs/decisions.md L228), else into a new tensor.
+    grad_y [..., H] and x [..., 2H] float32/float16/bfloat16 (one dtype); group_index [G] int64
+    or None. Returns the gradient, [..., 2H] in x's dtype. Not an operator:
     autograd does not see the write, so x must be a tensor that nothing else reads afterwards
     (the up-GEMM output of moegrad.nn.MoE and moegrad.hf). Same validation and errors as swiglu_group_quant_backward."""
     if x.device.type != "cpu" or not x.is_contiguous():
