@@ -282,8 +282,8 @@ TEST_P(FinalizeGradValues, MatchesFloat64Reference) {
     for (size_t i = 1; i < idx.size(); i += 4) idx[i] = -1;  // dropped slots (D7)
     c.to_drop_pad(f.E, cap, idx, static_cast<uint32_t>(f.H));
   }
+  c.active_num = f.active_num;  // <= 0 or >= R*K: ignored (§3.4)
   if (f.active_num > 0) {
-    c.active_num = f.active_num;
     const int64_t rows = f.active_num < f.R * f.K ? f.active_num : f.R * f.K;
     c.expanded_x = Tensor::from({rows, f.H}, dt, rng.uniform_vec(rows * f.H, -2, 2));
     c.grad_expanded_x = Tensor({rows, f.H}, dt);
@@ -311,6 +311,7 @@ INSTANTIATE_TEST_SUITE_P(
             GradConfig{"mode0_scales_fp32", 0, 4, 2, 8, 3, 0, true, true, ACL_FLOAT},
             GradConfig{"mode0_active_num", 0, 5, 2, 8, 3, 6, true, true, ACL_DT_UNDEFINED},
             GradConfig{"mode0_active_num_ignored", 0, 3, 2, 8, 3, 50, true, true, ACL_DT_UNDEFINED},
+            GradConfig{"mode0_negative_active_num_ignored", 0, 3, 2, 8, 3, -7, true, true, ACL_DT_UNDEFINED},
             GradConfig{"mode0_no_scales", 0, 6, 1, 8, 3, 0, false, false, ACL_DT_UNDEFINED},
             GradConfig{"mode1_bias", 1, 4, 2, 8, 3, 0, true, true, ACL_DT_UNDEFINED},
             GradConfig{"mode1_no_bias", 1, 5, 3, 6, 4, 0, true, false, ACL_DT_UNDEFINED},

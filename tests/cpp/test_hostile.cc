@@ -153,11 +153,16 @@ TEST(Blame, SwigluGradNamesXWhenGradYAndYOriginAgree) {
 
 // ---- attributes outside their range (L51) ----
 
-TEST(Attributes, FinalizeGradRejectsNegativeActiveNum) {
-  FinalizeGrad f;
-  f.active = -1;
-  aclOpExecutor* ex = nullptr;
-  expect_fails(f.call(&ex), ex, ACLNN_ERR_INNER_NULLPTR, "active_num");
+TEST(Attributes, FinalizeGradIgnoresANegativeActiveNum) {
+  // §3.4: only 0 < active_num < R*K truncates; any other value is ignored.
+  for (int64_t a : {int64_t{-1}, int64_t{-1} << 40}) {
+    FinalizeGrad f;
+    f.active = a;
+    aclOpExecutor* ex = nullptr;
+    EXPECT_EQ(f.call(&ex), ACLNN_SUCCESS) << a;
+    EXPECT_NE(ex, nullptr);
+    aclDestroyAclOpExecutor(ex);
+  }
 }
 
 TEST(Attributes, FinalizeGradHugeCapacityIsAnErrorNotAnOverflow) {

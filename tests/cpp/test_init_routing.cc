@@ -167,6 +167,7 @@ const std::vector<RV3> kV3Rules = {
     {"CountsInt32", [](V3Case& c) { c.counts = Tensor({4}, ACL_INT32); }, kInv, "expert_tokens_count_or_cumsum"},
     {"ExpertNumZero", [](V3Case& c) { c.expert_num = 0; }, kShape, "expert_num"},
     {"ActiveNumMinus2", [](V3Case& c) { c.active_num = -2; }, kShape, "active_num"},
+    {"CapacityMinus2", [](V3Case& c) { c.capacity = -2; }, kShape, "expert_capacity"},
     {"RangeLength3", [](V3Case& c) { c.range = {0, 2, 4}; }, kShape, "active_expert_range", {"got [0, 2, 4]"}},
     {"RangeEmptyWindow", [](V3Case& c) { c.range = {2, 2}; }, kShape, "active_expert_range"},
     {"RangePastE", [](V3Case& c) { c.range = {1, 5}; }, kShape, "active_expert_range", {"got [1, 5]"}},

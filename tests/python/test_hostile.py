@@ -140,7 +140,11 @@ def test_finalize_grad_huge_capacity_is_an_error_not_an_overflow():
     idx = torch.tensor([0, 1, 2], dtype=torch.int32)
     _raises(FINALIZE, "expert_capacity", moegrad.moe_finalize_routing_grad, gy, idx,
             drop_pad_mode=1, expert_num=2**40, expert_capacity=2**40)
-    _raises(FINALIZE, "active_num", moegrad.moe_finalize_routing_grad, gy, idx, active_num=-1)
+    # active_num outside (0, R*K) is ignored, a negative one too (docs/operators.md §3.4)
+    base = moegrad.moe_finalize_routing_grad(gy, idx)
+    for a in (-1, -2**40, 3, 2**40):
+        got = moegrad.moe_finalize_routing_grad(gy, idx, active_num=a)
+        assert all(torch.equal(u, v) for u, v in zip(base, got)), a
 
 
 # ---- dtype messages (L53) ----
@@ -165,3 +169,33 @@ def test_same_dtype_messages_do_not_repeat_the_name():
     msg = _raises(PARAM_INVALID, "x_norm", moegrad.moe_gating_top_k_backward,
                   x_norm.double(), gy, idx.int())
     assert "must be float32; got float64" in msg, msg
+
+
+# ---- fake kernels (torch.compile traces them first) ----
+
+_X1, _I1 = torch.randn(6), torch.tensor([0, 1, 2, 3, 0, 1], dtype=torch.int32)
+_RANK_CASES = [
+    ("moe_gating_top_k", lambda x, i: torch.ops.moegrad.moe_gating_top_k(x, 2)),
+    ("moe_gating_replay x", lambda x, i: torch.ops.moegrad.moe_gating_replay(x, i)),
+    ("moe_gating_replay expert_idx",
+     lambda x, i: torch.ops.moegrad.moe_gating_replay(x.reshape(6, 1).expand(6, 4), i)),
+    ("moe_init_routing x", lambda x, i: torch.ops.moegrad.moe_init_routing(x, i, 0, 0, 4)),
+    ("moe_init_routing expert_idx",
+     lambda x, i: torch.ops.moegrad.moe_init_routing(x.reshape(3, 2), i, 0, 0, 4)),
+    ("moe_finalize_routing_grad", lambda x, i: torch.ops.moegrad.moe_finalize_routing_grad(x, i)),
+    ("moe_finalize_routing_bias_grad expert_idx",
+     lambda x, i: torch.ops.moegrad.moe_finalize_routing_bias_grad(x.reshape(3, 2), i, None, 4)),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in _RANK_CASES], ids=[c[0] for c in _RANK_CASES])
+def test_fake_kernels_raise_the_native_rank_error(call):
+    """A tensor of the wrong rank fails in the fake kernel (tracing) with the MoeError the native
+    validation gives, not an IndexError from the fake's shape arithmetic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with pytest.raises(moegrad.MoeError) as real:
+        call(_X1, _I1)
+    with FakeTensorMode() as mode:
+        with pytest.raises(moegrad.MoeError) as fake:
+            call(mode.from_tensor(_X1), mode.from_tensor(_I1))
+    assert (fake.value.code, str(fake.value)) == (real.value.code, str(real.value))

@@ -1004,7 +1004,8 @@ def test_D4_zero_rows_public_api(gen):
     assert out.shape == (0, H)
     gex, gs = moegrad.moe_finalize_routing_grad(upstream(gen, 0, H), torch.zeros(0, dtype=I32),
                                                 randn(gen, 0, H), rand(gen, 0, 2))
-    assert gex.shape == (0, H) and gs.shape == (0, 2)
+    # scales (0, 2) has no elements: absent, so grad_scales is (R, 1) (docs/operators.md §3)
+    assert gex.shape == (0, H) and gs.shape == (0, 1)
     gex, gs = moegrad.moe_finalize_routing_grad(upstream(gen, 0, H), torch.zeros(0, dtype=I32),
                                                 randn(gen, 3, 4, H), rand(gen, 0, 2),
                                                 drop_pad_mode=1, expert_num=3, expert_capacity=4)

@@ -73,6 +73,16 @@ def _same_device(op: str, *named) -> None:
                            f"({first.device}); got {t.device}", ERR_PARAM_INVALID)
 
 
+def _ranks(op: str, code: int, *named) -> None:
+    """Fake kernels: each (name, tensor or None, rank) has that rank, or the MoeError the native
+    validation raises for it (the fake indexes the shapes next, and an IndexError at trace time
+    would name nothing)."""
+    for name, t, rank in named:
+        if t is not None and t.dim() != rank:
+            raise MoeError(f"{op}: {name}: rank must be {rank}; got rank {t.dim()} "
+                           f"{list(t.shape)}", code)
+
+
 # ---------------------------------------------------------------------------------------------
 # Registration: torch.library.Library define/impl plus register_fake and register_autograd. Same
 # schema and behaviour as torch.library.custom_op, but about 2-3 us cheaper per call

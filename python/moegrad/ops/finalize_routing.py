@@ -13,7 +13,8 @@ from torch import Tensor
 from .. import _C
 from .._errors import ERR_FINALIZE_ROUTING, MoeError
 from .init_routing import ROW_LAYOUT_TAG
-from ._registry import _args, _contig, _dl, _dlo, _execute, _needs, _op, _same_device
+from ._registry import (_args, _contig, _dl, _dlo, _execute, _needs, _op, _ranks,
+                        _same_device)
 
 
 def _refuse_row_layout(idx, x1, scales, expert_idx, drop_pad_mode, k):
@@ -96,11 +97,14 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
     grad_expanded_x (rows, H), rows = active_num if 0 < active_num < R*K else R*K; indices
     >= rows are skipped. Mode 1 (drop-pad): (expert_num, expert_capacity, H), -1 = dropped.
     Unaddressed rows are zero. grad_scales: (R, K) in scales' dtype, sum_j (expanded_x + bias)
-    * grad_y (bias-only for skipped slots); (R, 1) zeros in grad_y's dtype without scales.
+    * grad_y (bias-only for skipped slots); (R, 1) zeros in grad_y's dtype without scales (or
+    with a scales tensor of 0 elements, which counts as absent).
     padded_rows > 0 (mode 0, active_num 0): the aligned layout of that many rows (D36).
     Errors: MoeError 161001/161002, 561103.
     """
     grad_y, idx, eidx = grad_y.contiguous(), expanded_row_idx.contiguous(), _contig(expert_idx)
+    if scales is not None and scales.numel() == 0:
+        scales = None  # no elements = absent, as the vendor's wrapper sizes grad_scales (R, 1)
     expanded_x, scales, bias = _contig(expanded_x), _contig(scales), _contig(bias)
     attrs = (drop_pad_mode, active_num, expert_num, expert_capacity, padded_rows)
     planned = _C.plan_moe_finalize_routing_grad(_dl(grad_y), _dl(idx), _dlo(expanded_x),
@@ -115,6 +119,8 @@ def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, b
     _same_device("moe_finalize_routing_grad", ("grad_y", grad_y),
                  ("expanded_row_idx", expanded_row_idx), ("expanded_x", expanded_x),
                  ("scales", scales), ("expert_idx", expert_idx), ("bias", bias))
+    _ranks("moe_finalize_routing_grad", ERR_FINALIZE_ROUTING, ("grad_y", grad_y, 2),
+           ("expanded_row_idx", expanded_row_idx, 1))
     r, h = grad_y.shape[0], grad_y.shape[1]
     n = expanded_row_idx.shape[0]
     if drop_pad_mode == 1:
@@ -124,7 +130,7 @@ def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, b
     else:
         rows = active_num if 0 < active_num < n else n
         gex = grad_y.new_empty((rows, h))
-    if scales is not None:
+    if scales is not None and scales.numel() > 0:
         gs = scales.new_empty((r, scales.shape[1]))
     else:
         gs = grad_y.new_empty((r, 1))
@@ -169,6 +175,8 @@ def moe_finalize_routing_bias_grad(grad_y: Tensor, expert_idx: Tensor,
 def _(grad_y, expert_idx, scales, expert_num):
     _same_device("moe_finalize_routing_bias_grad", ("grad_y", grad_y),
                  ("expert_idx", expert_idx), ("scales", scales))
+    _ranks("moe_finalize_routing_bias_grad", ERR_FINALIZE_ROUTING, ("grad_y", grad_y, 2),
+           ("expert_idx", expert_idx, 2))
     return grad_y.new_empty((expert_num, grad_y.shape[1]))
 
 

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from .. import _C
-from ._registry import _args, _contig, _dl, _dlo, _execute, _op, _same_device
+from .._errors import ERR_INNER_TILING
+from ._registry import _args, _contig, _dl, _dlo, _execute, _op, _ranks, _same_device
 
 
 @_op("moegrad::moe_gating_top_k")
@@ -46,6 +47,7 @@ def moe_gating_top_k(x: Tensor, k: int, bias: Optional[Tensor] = None, k_group: 
 def _(x, k, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, norm_type=0,
       out_flag=False, routed_scaling_factor=1.0, eps=1e-20, no_renorm=False):
     _same_device("moe_gating_top_k", ("x", x), ("bias", bias))
+    _ranks("moe_gating_top_k", ERR_INNER_TILING, ("x", x, 2))
     m, n = x.shape[0], x.shape[1]
     return (x.new_empty((m, k)), x.new_empty((m, k), dtype=torch.int32),
             x.new_empty((m, n), dtype=torch.float32))
@@ -171,6 +173,7 @@ def moe_gating_replay(x: Tensor, expert_idx: Tensor, bias: Optional[Tensor] = No
 def _(x, expert_idx, bias=None, renorm=0, norm_type=0, routed_scaling_factor=1.0, eps=1e-20,
       no_renorm=False):
     _same_device("moe_gating_replay", ("x", x), ("expert_idx", expert_idx), ("bias", bias))
+    _ranks("moe_gating_replay", ERR_INNER_TILING, ("x", x, 2), ("expert_idx", expert_idx, 2))
     return (x.new_empty((x.shape[0], expert_idx.shape[1])),
             x.new_empty((x.shape[0], x.shape[1]), dtype=torch.float32))
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import _C
 from .._errors import ERR_FINALIZE_ROUTING, ERR_PARAM_INVALID, MoeError
-from ._registry import _args, _dl, _execute, _op, _same_device
+from ._registry import _args, _dl, _execute, _op, _ranks, _same_device
 
 
 # Attribute set on the src->dst index moe_init_routing returns (row layout, slot r*K + k).
@@ -58,6 +58,7 @@ def _(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mod
       expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=None,
       row_idx_type=0, align_block=0):
     _same_device("moe_init_routing", ("x", x), ("expert_idx", expert_idx))
+    _ranks("moe_init_routing", ERR_FINALIZE_ROUTING, ("x", x, 2), ("expert_idx", expert_idx, 2))
     r, h = x.shape[0], x.shape[1]
     n = r * expert_idx.shape[1]
     has_range, start, end, flag = _init_routing_attrs(expert_num, active_expert_range,

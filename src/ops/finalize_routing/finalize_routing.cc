@@ -217,7 +217,7 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
     v.check_shape(a.expert_capacity > 0, "expert_capacity",
                   "must be > 0 in drop-pad mode; got ", a.expert_capacity);
   }
-  v.check_shape(a.active_num >= 0, "active_num", "must be >= 0; got ", a.active_num);
+  // active_num <= 0 or >= R*K: no truncation (§3.4: any other value is ignored, as the vendor's)
   v.rank(*gy, "grad_y", 2);
   v.rank(*idx, "expanded_row_idx", 1);
   if (scales) {
@@ -260,8 +260,8 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   v.check_shape(a.padded_rows >= 0, "padded_rows", "must be >= 0; got ", a.padded_rows);
   const bool padded = a.padded_rows > 0;
   if (padded) {
-    v.check_shape(mode == 0 && a.active_num == 0, "padded_rows",
-                  "must be 0 unless drop_pad_mode = 0 and active_num = 0; got ", a.padded_rows);
+    v.check_shape(mode == 0 && a.active_num <= 0, "padded_rows",
+                  "must be 0 unless drop_pad_mode = 0 and active_num <= 0; got ", a.padded_rows);
   }
   if (padded) {  // D36: the aligned layout of init routing
     rows = a.padded_rows;

@@ -82,6 +82,9 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   if (mode == 0) {
     v.check_shape(a.active_num >= -1, "active_num",
                   "must be >= 0 (or -1, the same as 0); got ", a.active_num);
+    // unused without drop/pad, but a negative capacity other than V3's default -1 is a bug
+    v.check_shape(a.expert_capacity >= -1, "expert_capacity",
+                  "must be >= 0 (or -1, the same as 0); got ", a.expert_capacity);
   } else {
     v.check_shape(E > 0, "expert_num", "must be > 0 in drop-pad mode; got ", E);
     v.check_shape(a.expert_capacity >= 1, "expert_capacity",
