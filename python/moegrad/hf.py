@@ -225,6 +225,11 @@ _TORCH_GROUPED_MM = getattr(F, "grouped_mm", None)
 
 
 def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+    dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        # as transformers' default grouped_mm backend: under autocast the experts run in their
+        # weights' dtype, the input cast to it and the output back (L230)
+        x = x.to(m.gate_up_proj.dtype)
     _check_inputs(m, x, idx, w)
     E, K = m.num_experts, idx.shape[1]
     has_bias = bool(getattr(m, "has_bias", False))
@@ -259,9 +264,11 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
         act = _mg.swiglu_group(up, group_index=counts)
     out = _expert_gemm(act, w_down, counts, host, None)
     if has_bias:
-        return _mg.moe_finalize_routing(out, row_idx, bias=m.down_proj_bias, scales=w,
-                                        expert_idx=idx.to(torch.int32), drop_pad_mode=2, k=K)
-    return _mg.moe_finalize_routing(out, row_idx, scales=w, drop_pad_mode=2, k=K)
+        y = _mg.moe_finalize_routing(out, row_idx, bias=m.down_proj_bias, scales=w,
+                                     expert_idx=idx.to(torch.int32), drop_pad_mode=2, k=K)
+    else:
+        y = _mg.moe_finalize_routing(out, row_idx, scales=w, drop_pad_mode=2, k=K)
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def _inclusive(limit: float) -> float:
@@ -355,7 +362,9 @@ def _deepseek_v3_router(self, hidden_states):
     by the sum of their top two), renormalisation (sum + 1e-20) and routed scaling."""
     h = hidden_states.view(-1, self.hidden_dim)
     logits = F.linear(h.type(torch.float32), self.weight.type(torch.float32))
-    y, idx = _topk(logits, self.top_k, bias=self.e_score_correction_bias.float(),
+    # under autocast the linear returns bf16/fp16 logits; transformers then adds its fp32 bias,
+    # so the selection runs in fp32 there too
+    y, idx = _topk(logits.float(), self.top_k, bias=self.e_score_correction_bias.float(),
                    k_group=self.topk_group, group_count=self.num_group, group_select_mode=1,
                    norm_type=1, routed_scaling_factor=float(self.routed_scaling_factor),
                    eps=1e-20, **_renorm_kw(self.norm_topk_prob))

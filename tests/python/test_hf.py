@@ -213,6 +213,62 @@ def test_fp32_model_matches_eager(device, arch, rng):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_autocast_bf16_model_trains_patched(arch, rng):
+    """fp32 weights under CPU bf16 autocast: the patched model runs forward and backward (the
+    DeepSeek-V3 router adds its fp32 selection bias to the bf16 logits autocast gives it, as
+    transformers does), its routers return the logits the unpatched ones return, every gradient
+    the unpatched model gets is there and finite, and the loss is within bf16 rounding of
+    transformers' default experts backend (grouped_mm, which like moegrad runs the experts in
+    the weights' dtype under autocast, L230). Near-ties can select other experts in bf16
+    (docs/hf.md), so only the loss is compared."""
+    ref = _build(arch)
+    ref.set_experts_implementation("grouped_mm")
+    pat = copy.deepcopy(ref)
+    mh.apply(pat)
+    ids = _ids(pat, (2, 24))
+    logits = [[], []]
+    handles = [m.register_forward_hook(lambda _m, _i, o, j=j: logits[j].append(o[0].detach()))
+               for j, model in enumerate((ref, pat)) for m in model.modules()
+               if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l_ref = ref(ids, labels=ids).loss
+        l_pat = pat(ids, labels=ids).loss
+    for h in handles:
+        h.remove()
+    assert torch.equal(logits[0][0], logits[1][0])  # the first router sees the same input
+    assert abs(l_ref.item() - l_pat.item()) <= 2.0 ** -6 * abs(l_ref.item())
+    l_ref.backward()
+    l_pat.backward()
+    for (n, p1), (_, p2) in zip(ref.named_parameters(), pat.named_parameters()):
+        assert (p1.grad is None) == (p2.grad is None), n
+        if p2.grad is not None:
+            assert p2.grad.dtype == torch.float32 and torch.isfinite(p2.grad).all(), n
+
+
+def test_autocast_casts_the_input_to_the_weights_dtype(rng):
+    """bf16 experts fed fp32 rows under autocast (an fp32 norm output): as transformers'
+    grouped_mm backend, the rows are cast to the weights' dtype and the output back to the
+    input's (L230), within bf16 rounding of grouped_mm's; outside autocast the same call is a
+    moegrad error naming the weight."""
+    ref = _build("qwen3_moe", dtype=torch.bfloat16)
+    ref.set_experts_implementation("grouped_mm")
+    pat = copy.deepcopy(ref)
+    mh.apply(pat)
+    i, _ = _moe_block(ref)
+    e_ref, e_pat = ref.model.layers[i].mlp.experts, pat.model.layers[i].mlp.experts
+    N, K = 24, ref.config.num_experts_per_tok
+    x = torch.randn(N, ref.config.hidden_size)
+    idx = torch.stack([torch.randperm(ref.config.num_experts)[:K] for _ in range(N)])
+    w = torch.rand(N, K)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = e_ref(x, idx, w), e_pat(x, idx, w)
+    assert a.dtype == b.dtype == torch.float32
+    assert (a - b).abs().max().item() <= 4 * 2.0 ** -8 * a.abs().max().item()
+    with pytest.raises(moegrad.MoeError, match=r"gate_up_proj: dtype must be hidden_states'"):
+        e_pat(x, idx, w)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_fp32_training_loss_curve_matches_eager(arch, rng):
     ref = _build(arch, layers=1)
     pat = copy.deepcopy(ref)
@@ -908,8 +964,13 @@ def test_bench_hf_quick(tmp_path, capsys):
     assert "| gpt_oss | float32 |" in capsys.readouterr().out
     r = json.loads(out.read_text())["records"][0]
     for k in ("moegrad_ms", "eager_ms", "grouped_mm_ms", "moegrad_non_gemm_ms",
-              "grouped_mm_non_gemm_ms", "moegrad_peak_mb", "grouped_mm_peak_mb"):
+              "grouped_mm_non_gemm_ms", "moegrad_peak_mb", "grouped_mm_peak_mb",
+              "gemm_tflops_square", "eager_ceiling", "moegrad_gemm_tflops"):
         assert r[k] >= 0, k
+    # every backend runs the same expert GEMMs (L229): T=64, K=2, H=64, I=32, gated; forward
+    # and backward make three products per projection
+    assert r["moegrad_gemm_gflop"] == pytest.approx(r["eager_gemm_gflop"], rel=1e-12)
+    assert r["moegrad_gemm_gflop"] == pytest.approx(3 * 2 * 64 * 2 * 64 * (2 * 32 + 32) * 1e-9)
     assert any("router" in p for p in r["patched"])
 
 
@@ -966,6 +1027,36 @@ def test_bench_split_counts_a_grouped_gemm_whole():
         self_sum = sum(e.self_cpu_time_total for e in ev if e.name in _GEMM_OPS
                        and tuple(tuple(s) for s in e.input_shapes[:2]) not in router) * 1e-6
         assert self_sum < got
+
+
+def test_bench_gemm_flops_count_every_product_once():
+    """The FLOP count of the ceiling (L229): 2·m·k·n for mm, addmm (its bias skipped) and bmm,
+    the per-expert mm inside torch's CPU grouped GEMM counted (the grouped op itself not), and
+    a product with the router's operand shapes left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moegrad.bench.layer import _gemm_flops
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.mm(a, b)
+        torch.addmm(torch.randn(3), a, b)
+        torch.bmm(torch.randn(2, 5, 7), torch.randn(2, 7, 4))
+        torch.mm(torch.randn(6, 7), torch.randn(7, 2))  # router-shaped below
+    ev = prof.events()
+    want = 2 * 5 * 7 * 3 * 2 + 2 * 2 * 5 * 7 * 4
+    assert _gemm_flops(ev, {((6, 7), (7, 2))}) == want
+    assert _gemm_flops(ev, set()) == want + 2 * 6 * 7 * 2
+    E, T, H = 4, 12, 8
+    x, w = torch.randn(T, H), torch.randn(E, H, 8)
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * (T // E)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        try:
+            torch._grouped_mm(x, w, offs=offs)
+        except (AttributeError, RuntimeError, NotImplementedError) as e:
+            pytest.skip(f"this torch has no CPU grouped GEMM ({type(e).__name__})")
+    if not any(e.name == "aten::mm" for e in prof.events()):
+        pytest.skip("this torch's CPU grouped GEMM calls no mm inside itself")
+    assert _gemm_flops(prof.events(), set()) == 2 * T * H * 8
 
 
 def test_bench_timers_reset_each_step_outside_the_timing(monkeypatch):

@@ -173,6 +173,48 @@ def test_retained_graph_second_backward_recomputes_the_up_rows(cfg, seed, monkey
     assert torch.allclose(gx, grads[0][0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("cfg", RETAIN_CONFIGS, ids=[str(i) for i in range(len(RETAIN_CONFIGS))])
+def test_autocast_runs_the_experts_in_its_dtype(cfg, seed):
+    """L230: under autocast an fp32 layer's routed and shared experts compute in autocast's dtype
+    (as torch's linear would), the router in fp32. With x, the gate and the selection bias
+    representable in bf16, the router sees the same values either way, so the output equals
+    the same layer converted to bf16 bit for bit, and so do the expert weights' gradients; a
+    retained second backward repeats the first."""
+    torch.manual_seed(seed)
+    H, F_, E, K = 12, 8, 8, 2
+    m = MoE(H, F_, E, K, **cfg)
+    with torch.no_grad():
+        m.selection_bias.copy_(torch.randn(E) * 0.05)
+        for t in [m.gate, m.selection_bias] + [p for p in m.parameters()]:
+            t.copy_(t.bfloat16().float())
+    x = torch.randn(3, 7, H).bfloat16().float().requires_grad_(True)
+    g = torch.randn(3, 7, H).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    y.backward(g, retain_graph=True)
+    first = {n: p.grad.clone() for n, p in m.named_parameters()}
+    xg = x.grad.clone()
+    y.backward(g)
+    assert all(torch.equal(p.grad, 2 * first[n]) for n, p in m.named_parameters())
+
+    b = MoE(H, F_, E, K, **cfg)
+    b.load_state_dict(m.state_dict())
+    b = b.bfloat16()
+    xb = x.detach().bfloat16().requires_grad_(True)
+    yb = b(xb)
+    assert torch.equal(y, yb)
+    yb.backward(g)
+    for n, p in b.named_parameters():
+        assert first[n] is not None and first[n].dtype == torch.float32, n
+        if n == "gate":  # the router's fp32 gradient, rounded once in the bf16 layer
+            assert torch.equal(first[n].bfloat16(), p.grad), n
+        else:
+            assert torch.equal(first[n], p.grad.float()), n
+    scale = xg.abs().max().item()
+    assert (xg - xb.grad.float()).abs().max().item() <= 2.0 ** -7 * scale
+
+
 @pytest.mark.parametrize("retained_first", [False, True], ids=["first", "after_retained"])
 def test_swiglu_over_up_under_create_graph_keeps_the_operator_refusal(retained_first):
     """Under create_graph the activation's gradient must carry a graph (the registered operator,

@@ -13,6 +13,10 @@ upstream gradient):
 * the in-step split of each step into the expert GEMMs and everything else (CPU: the
   profiler's time of the outermost GEMM ops inside the real step, the router's GEMMs counted as
   non-GEMM, as in the layer benchmark), and the peak memory of a step;
+* CPU: the expert GEMMs' floating-point operations in the step, the GEMM rate each backend
+  reaches inside it, and "x eager ceiling": eager's step over the time those GEMMs alone take
+  at the rate of torch.mm on a large square product, measured in the same run (L229), the most
+  any backend that runs the same GEMMs could gain over eager;
 * a step is the block's forward and backward; freeing the weight gradients it left (an
   optimizer's zero_grad) runs after it, untimed (_Step.reset, L224).
 Shapes are scaled from the real models (H, I, E, K below; T tokens, default 512 so that the
@@ -35,7 +39,7 @@ import torch
 import moegrad
 from moegrad.nn.moe import _like_layout
 
-from .layer import _in_step_split, _interleaved, _peak_bytes, _time
+from .layer import _gemm_rate, _in_step_split, _interleaved, _peak_bytes, _time
 
 # arch -> (H, I, E, K, what it is scaled from)
 SHAPES = {
@@ -152,6 +156,7 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
             sp = _in_step_split(fns[n], reps, router)
             res[f"{n}_non_gemm_ms"] = sp["non_gemm_ms"]
             res[f"{n}_gemm_ms"] = sp["gemm_ms"]
+            res[f"{n}_gemm_gflop"] = sp["gemm_gflop"]
         res[f"{n}_peak_mb"] = _peak_bytes(fns[n], device) / 2**20
     fastest = min(res[f"{n}_ms"] for n in ("eager", "grouped_mm", "compile") if f"{n}_ms" in res)
     res["speedup_vs_eager"] = res["eager_ms"] / res["moegrad_ms"]
@@ -160,6 +165,14 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
         res["non_gemm_speedup_vs_grouped_mm"] = (res["grouped_mm_non_gemm_ms"]
                                                  / res["moegrad_non_gemm_ms"])
     res["peak_ratio_vs_grouped_mm"] = res["moegrad_peak_mb"] / res["grouped_mm_peak_mb"]
+    if device == "cpu" and res["moegrad_gemm_gflop"] > 0:
+        # L229: the expert GEMMs alone, at the rate torch.mm reaches on a large square product,
+        # bound what any backend running them can gain over eager
+        res["gemm_tflops_square"] = _gemm_rate(dtype) * 1e-12
+        floor_ms = res["moegrad_gemm_gflop"] / res["gemm_tflops_square"]
+        res["eager_ceiling"] = res["eager_ms"] / floor_ms
+        for n in ("eager", "moegrad"):
+            res[f"{n}_gemm_tflops"] = res[f"{n}_gemm_gflop"] / res[f"{n}_gemm_ms"]
     return res
 
 
@@ -262,7 +275,7 @@ def stub_row(r: Dict) -> str:
 
 
 HEADER = ("| arch | dtype | T | moegrad ms | eager ms | grouped_mm ms | compile ms | "
-          "x eager | x best | non-GEMM ms moegrad / grouped_mm | x non-GEMM | peak MB moegrad / "
+          "x eager | x eager ceiling | x best | non-GEMM ms moegrad / grouped_mm | x non-GEMM | peak MB moegrad / "
           "grouped_mm |")
 
 
@@ -272,6 +285,7 @@ def row(r: Dict) -> str:
         return "-" if v is None else fmt.format(v)
     return (f"| {r['arch']} | {r['dtype']} | {r['T']} | {f('moegrad_ms')} | {f('eager_ms')} | "
             f"{f('grouped_mm_ms')} | {f('compile_ms')} | {f('speedup_vs_eager', '{:.2f}')} | "
+            f"{f('eager_ceiling', '{:.2f}')} | "
             f"{f('speedup_vs_best', '{:.2f}')} | {f('moegrad_non_gemm_ms')} / "
             f"{f('grouped_mm_non_gemm_ms')} | {f('non_gemm_speedup_vs_grouped_mm', '{:.2f}')} |"
             f" {f('moegrad_peak_mb', '{:.0f}')} / {f('grouped_mm_peak_mb', '{:.0f}')} |")

@@ -182,6 +182,40 @@ def _gemm_seconds(events, router_shapes, stub_event: str = "") -> float:
     return g * 1e-6
 
 
+def _gemm_flops(events, router_shapes) -> float:
+    """Floating-point operations (2·m·k·n per product) of the expert GEMMs of one profiled step:
+    every `mm`, `addmm` and `bmm`, nested or not (torch's CPU grouped GEMM calls one `mm` per
+    expert inside itself), those with the router's operand shapes excepted. A GEMM that calls
+    none of these (a fused grouped GEMM) is not counted."""
+    total = 0.0
+    for e in events:
+        if e.name not in _GEMM_OPS[:3]:
+            continue
+        shapes = [tuple(s) for s in e.input_shapes]
+        if e.name == "aten::addmm":
+            shapes = shapes[1:]
+        if len(shapes) < 2 or not shapes[0] or not shapes[1]:
+            continue
+        a, b = shapes[:2]
+        if tuple(tuple(s) for s in e.input_shapes[:2]) in router_shapes:
+            continue
+        total += 2.0 * math.prod(a) * b[-1]
+    return total
+
+
+def _gemm_rate(dtype, reps: int = 5, n: int = 2048) -> float:
+    """FLOP/s of torch.mm on an n x n x n product of dtype on the CPU, median of reps: the
+    machine's GEMM rate that the "x eager ceiling" of the hf benchmark divides by (L229)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        ts.append(time.perf_counter() - t0)
+    return 2.0 * n ** 3 / statistics.median(ts)
+
+
 def _in_step_split(fn: Callable[[], None], reps: int, router_shapes,
                    stub_event: str = "") -> Dict[str, float]:
     """CPU: the expert GEMMs' time inside the real step (_gemm_seconds: torch's CPU grouped GEMM
@@ -192,6 +226,7 @@ def _in_step_split(fn: Callable[[], None], reps: int, router_shapes,
     outside the profile. fn is already warm (run_config times it first)."""
     from torch.profiler import ProfilerActivity, profile
     gemm, rest, walls = [], [], []
+    flops = 0.0
     for _ in range(reps):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             t0 = time.perf_counter()
@@ -199,11 +234,12 @@ def _in_step_split(fn: Callable[[], None], reps: int, router_shapes,
             wall = time.perf_counter() - t0
         _settle(fn)
         g = _gemm_seconds(prof.events(), router_shapes, stub_event)
+        flops = _gemm_flops(prof.events(), router_shapes)
         gemm.append(g)
         rest.append(wall - g)
         walls.append(wall)
     return dict(gemm_ms=statistics.median(gemm) * 1e3, non_gemm_ms=statistics.median(rest) * 1e3,
-                step_ms=statistics.median(walls) * 1e3)
+                step_ms=statistics.median(walls) * 1e3, gemm_gflop=flops * 1e-9)
 
 
 def _cpu_peak_bytes(fn: Callable[[], None]) -> int:

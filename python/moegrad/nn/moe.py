@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -261,6 +261,20 @@ class _SwigluOverUp(torch.autograd.Function):
             ctx.spent = True
             grad = _swiglu_group_backward_over_x(grad_y, up, counts, ctx.grad_clamp)
         return grad, None, None, None, None, None
+
+
+def _autocast(*ts: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """ts, each cast to autocast's dtype for its device where autocast is on there and it is a
+    floating tensor other than float64 (the casts torch's own linear and matmul get under
+    autocast; L230); None and every other tensor as given."""
+    out = []
+    for t in ts:
+        if (t is not None and t.is_floating_point() and t.dtype != torch.float64
+                and torch.is_autocast_enabled(t.device.type)):
+            dt = torch.get_autocast_dtype(t.device.type)
+            t = t if t.dtype == dt else t.to(dt)
+        out.append(t)
+    return tuple(out)
 
 
 def _regen_grouped(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -614,9 +628,11 @@ class MoE(nn.Module):
     def route(self, x: Tensor, expert_idx: Optional[Tensor] = None):
         """(weights [T, K] fp32, expert_idx [T, K] int32, scores [T, E] fp32 or None). Logits
         and selection in fp32 (a bf16 logit would rank near-equal experts wrongly); with
-        expert_idx given the experts are not selected but replayed (moe_gating_replay)."""
-        logits = F.linear(x.float(), self.gate.float(),
-                          None if self.gate_bias is None else self.gate_bias.float())
+        expert_idx given the experts are not selected but replayed (moe_gating_replay). Under
+        autocast too: autocast would run the linear in its lower dtype."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.float(),
+                              None if self.gate_bias is None else self.gate_bias.float())
         sigmoid = self.score == "sigmoid"
         want_scores = self.training and (self.aux_loss_coef > 0 or self.seq_aux_loss_coef > 0)
         norm = dict(renorm=0 if sigmoid else 1, norm_type=1 if sigmoid else 0,
@@ -687,22 +703,25 @@ class MoE(nn.Module):
     # -- experts ------------------------------------------------------------------------------
     def _experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
-        host = _host_sizes(counts, rows, self.w_up, self.w_down)
-        up = self._add_bias(grouped_mm(rows, self.w_up, counts, host), self.b_up, counts)
-        act = self._act(up, counts, _regen_grouped, (rows, self.w_up, self.b_up))
-        return self._add_bias(grouped_mm(act, self.w_down, counts, host), self.b_down, counts)
+        w_up, w_down, b_up, b_down = _autocast(self.w_up, self.w_down, self.b_up, self.b_down)
+        host = _host_sizes(counts, rows, w_up, w_down)
+        up = self._add_bias(grouped_mm(rows, w_up, counts, host), b_up, counts)
+        act = self._act(up, counts, _regen_grouped, (rows, w_up, b_up))
+        return self._add_bias(grouped_mm(act, w_down, counts, host), b_down, counts)
 
     def _experts_padded(self, rows: Tensor) -> Tensor:
         """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""
-        up = self._add_bias(torch.bmm(rows, self.w_up), self.b_up, None)
-        act = self._act(up, None, _regen_padded, (rows, self.w_up, self.b_up))
-        return self._add_bias(torch.bmm(act, self.w_down), self.b_down, None)
+        w_up, w_down, b_up, b_down = _autocast(self.w_up, self.w_down, self.b_up, self.b_down)
+        up = self._add_bias(torch.bmm(rows, w_up), b_up, None)
+        act = self._act(up, None, _regen_padded, (rows, w_up, b_up))
+        return self._add_bias(torch.bmm(act, w_down), b_down, None)
 
     def _shared(self, x: Tensor) -> Optional[Tensor]:
         if self.shared_up is None:
             return None
-        up = x @ self.shared_up
-        return self._act(up, None, _regen_mm, (x, self.shared_up)) @ self.shared_down
+        w_up, w_down = _autocast(self.shared_up, self.shared_down)
+        up = x @ w_up
+        return self._act(up, None, _regen_mm, (x, w_up)) @ w_down
 
     def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         shape = x.shape
@@ -728,6 +747,7 @@ class MoE(nn.Module):
         else:
             recomputing, given = self._replayed_ids(T)
         weights, idx, scores = self.route(x, given)
+        x, = _autocast(x)  # the experts' operands in autocast's dtype (L230); the router's fp32
         if not recomputing and self.routing_replay is not None:
             self._note_ids(idx)
         self.last_expert_idx = idx.detach()
