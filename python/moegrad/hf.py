@@ -362,13 +362,13 @@ def _deepseek_v3_router(self, hidden_states):
     by the sum of their top two), renormalisation (sum + 1e-20) and routed scaling."""
     h = hidden_states.view(-1, self.hidden_dim)
     logits = F.linear(h.type(torch.float32), self.weight.type(torch.float32))
-    # under autocast the linear returns bf16/fp16 logits; transformers then adds its fp32 bias,
-    # so the selection runs in fp32 there too
+    # under autocast the linear returns bf16/fp16 logits, and the weights go back in that dtype
+    # as transformers' do; the fp32 bias needs fp32 scores here (L230)
     y, idx = _topk(logits.float(), self.top_k, bias=self.e_score_correction_bias.float(),
                    k_group=self.topk_group, group_count=self.num_group, group_select_mode=1,
                    norm_type=1, routed_scaling_factor=float(self.routed_scaling_factor),
                    eps=1e-20, **_renorm_kw(self.norm_topk_prob))
-    return logits, y, idx
+    return logits, y.to(logits.dtype), idx
 
 
 def _deepseek_v4_router(self, hidden_states):

@@ -155,7 +155,7 @@ TEST(Blame, SwigluGradNamesXWhenGradYAndYOriginAgree) {
 
 TEST(Attributes, FinalizeGradIgnoresANegativeActiveNum) {
   // §3.4: only 0 < active_num < R*K truncates; any other value is ignored.
-  for (int64_t a : {int64_t{-1}, int64_t{-1} << 40}) {
+  for (int64_t a : {int64_t{-1}, -(int64_t{1} << 40)}) {
     FinalizeGrad f;
     f.active = a;
     aclOpExecutor* ex = nullptr;

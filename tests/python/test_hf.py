@@ -226,8 +226,9 @@ def test_autocast_bf16_model_trains_patched(arch, rng):
     pat = copy.deepcopy(ref)
     mh.apply(pat)
     ids = _ids(pat, (2, 24))
-    logits = [[], []]
-    handles = [m.register_forward_hook(lambda _m, _i, o, j=j: logits[j].append(o[0].detach()))
+    logits, wdt = [[], []], [[], []]
+    handles = [m.register_forward_hook(lambda _m, _i, o, j=j: logits[j].append(o[0].detach())
+                                       or wdt[j].append(o[1].dtype))
                for j, model in enumerate((ref, pat)) for m in model.modules()
                if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -236,6 +237,7 @@ def test_autocast_bf16_model_trains_patched(arch, rng):
     for h in handles:
         h.remove()
     assert torch.equal(logits[0][0], logits[1][0])  # the first router sees the same input
+    assert wdt[0] == wdt[1]  # routing weights in transformers' dtype
     assert abs(l_ref.item() - l_pat.item()) <= 2.0 ** -6 * abs(l_ref.item())
     l_ref.backward()
     l_pat.backward()

@@ -140,6 +140,9 @@ def test_finalize_grad_huge_capacity_is_an_error_not_an_overflow():
     idx = torch.tensor([0, 1, 2], dtype=torch.int32)
     _raises(FINALIZE, "expert_capacity", moegrad.moe_finalize_routing_grad, gy, idx,
             drop_pad_mode=1, expert_num=2**40, expert_capacity=2**40)
+    # scales with rows but K = 0 is the scales' error, not "absent" (only [0, K] at R = 0 is)
+    _raises(FINALIZE, "scales", moegrad.moe_finalize_routing_grad, gy, idx[:0],
+            torch.randn(0, 4), torch.rand(3, 0))
     # active_num outside (0, R*K) is ignored, a negative one too (docs/operators.md §3.4)
     base = moegrad.moe_finalize_routing_grad(gy, idx)
     for a in (-1, -2**40, 3, 2**40):
@@ -183,6 +186,9 @@ _RANK_CASES = [
     ("moe_init_routing expert_idx",
      lambda x, i: torch.ops.moegrad.moe_init_routing(x.reshape(3, 2), i, 0, 0, 4)),
     ("moe_finalize_routing_grad", lambda x, i: torch.ops.moegrad.moe_finalize_routing_grad(x, i)),
+    ("moe_finalize_routing_grad scales",
+     lambda x, i: torch.ops.moegrad.moe_finalize_routing_grad(x.reshape(3, 2), i, x.reshape(6, 1),
+                                                             x)),
     ("moe_finalize_routing_bias_grad expert_idx",
      lambda x, i: torch.ops.moegrad.moe_finalize_routing_bias_grad(x.reshape(3, 2), i, None, 4)),
 ]

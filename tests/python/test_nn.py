@@ -197,6 +197,10 @@ def test_autocast_runs_the_experts_in_its_dtype(cfg, seed):
     xg = x.grad.clone()
     y.backward(g)
     assert all(torch.equal(p.grad, 2 * first[n]) for n, p in m.named_parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 input, as nn.Linear takes it
+        assert torch.equal(m(x.detach().bfloat16()), y)
+    with pytest.raises(TypeError, match="x: dtype must be the layer's"):
+        m(x.detach().bfloat16())  # outside autocast it is refused
 
     b = MoE(H, F_, E, K, **cfg)
     b.load_state_dict(m.state_dict())

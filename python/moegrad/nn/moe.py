@@ -728,7 +728,10 @@ class MoE(nn.Module):
         if x.dim() not in (2, 3) or shape[-1] != self.hidden:
             raise ValueError(f"MoE: x: must be [T, {self.hidden}] or [B, S, {self.hidden}] "
                              f"(hidden = {self.hidden}); got shape {list(shape)}")
-        if x.dtype != self.gate.dtype:
+        if x.dtype != self.gate.dtype and not (x.is_floating_point()
+                                               and torch.is_autocast_enabled(x.device.type)):
+            # under autocast any floating x, as nn.Linear takes: the router widens it to fp32
+            # and the experts cast it to autocast's dtype (L230)
             raise TypeError(f"MoE: x: dtype must be the layer's, {self.gate.dtype} (convert "
                             f"the input, or the layer with .to(dtype)); got {x.dtype}")
         x_all = x.reshape(-1, self.hidden)

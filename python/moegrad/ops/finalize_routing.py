@@ -98,12 +98,12 @@ def moe_finalize_routing_grad(grad_y: Tensor, expanded_row_idx: Tensor,
     >= rows are skipped. Mode 1 (drop-pad): (expert_num, expert_capacity, H), -1 = dropped.
     Unaddressed rows are zero. grad_scales: (R, K) in scales' dtype, sum_j (expanded_x + bias)
     * grad_y (bias-only for skipped slots); (R, 1) zeros in grad_y's dtype without scales (or
-    with a scales tensor of 0 elements, which counts as absent).
+    with scales [0, K] at R = 0, which count as absent).
     padded_rows > 0 (mode 0, active_num 0): the aligned layout of that many rows (D36).
     Errors: MoeError 161001/161002, 561103.
     """
     grad_y, idx, eidx = grad_y.contiguous(), expanded_row_idx.contiguous(), _contig(expert_idx)
-    if scales is not None and scales.numel() == 0:
+    if _no_rows(scales):
         scales = None  # no elements = absent, as the vendor's wrapper sizes grad_scales (R, 1)
     expanded_x, scales, bias = _contig(expanded_x), _contig(scales), _contig(bias)
     attrs = (drop_pad_mode, active_num, expert_num, expert_capacity, padded_rows)
@@ -120,7 +120,8 @@ def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, b
                  ("expanded_row_idx", expanded_row_idx), ("expanded_x", expanded_x),
                  ("scales", scales), ("expert_idx", expert_idx), ("bias", bias))
     _ranks("moe_finalize_routing_grad", ERR_FINALIZE_ROUTING, ("grad_y", grad_y, 2),
-           ("expanded_row_idx", expanded_row_idx, 1))
+           ("expanded_row_idx", expanded_row_idx, 1),
+           ("scales", None if _no_rows(scales) else scales, 2))
     r, h = grad_y.shape[0], grad_y.shape[1]
     n = expanded_row_idx.shape[0]
     if drop_pad_mode == 1:
@@ -130,11 +131,17 @@ def _(grad_y, expanded_row_idx, expanded_x=None, scales=None, expert_idx=None, b
     else:
         rows = active_num if 0 < active_num < n else n
         gex = grad_y.new_empty((rows, h))
-    if scales is not None and scales.numel() > 0:
+    if scales is not None and not _no_rows(scales):
         gs = scales.new_empty((r, scales.shape[1]))
     else:
         gs = grad_y.new_empty((r, 1))
     return gex, gs
+
+
+def _no_rows(scales: Optional[Tensor]) -> bool:
+    """scales [0, K] (R = 0): the finalize grad counts it as absent, as the vendor's wrapper does
+    when it sizes grad_scales; any other shape goes to the native checks."""
+    return scales is not None and scales.dim() == 2 and scales.shape[0] == 0
 
 
 def _present(t: Optional[Tensor]) -> bool:
