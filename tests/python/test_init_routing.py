@@ -290,6 +290,7 @@ FWD_RULES = [
     ("E < 0", dict(E=-1, flag=False), ERR_SHAPE, "expert_num"),
     ("active_num < -1", dict(active_num=-2), ERR_SHAPE, "active_num"),
     ("dropless capacity < -1", dict(cap=-5), ERR_SHAPE, "expert_capacity"),
+    ("drop/pad active_num < -1", dict(mode=1, cap=2, active_num=-2), ERR_SHAPE, "active_num"),
     ("mode 1 E = 0", dict(mode=1, E=0, cap=2, flag=False), ERR_SHAPE, "expert_num"),
     ("mode 1 C = 0", dict(mode=1, cap=0), ERR_SHAPE, "expert_capacity"),
     ("mode 1 row_idx_type 1", dict(mode=1, cap=2, rit=1), ERR_SHAPE, "row_idx_type"),

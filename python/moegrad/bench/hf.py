@@ -46,7 +46,7 @@ SHAPES = {
     "qwen3_moe": (2048, 768, 128, 8, "Qwen3-30B-A3B (H=2048, I=768, E=128, K=8)"),
     "qwen2_moe": (2048, 1408, 60, 4, "Qwen1.5-MoE-A2.7B (H=2048, I=1408, E=60, K=4, shared 5632)"),
     "olmoe": (2048, 1024, 64, 8, "OLMoE-1B-7B (H=2048, I=1024, E=64, K=8)"),
-    "mixtral": (2048, 7168, 8, 2, "Mixtral-8x7B at half width (H=4096, I=14336, E=8, K=2)"),
+    "mixtral": (2048, 7168, 8, 2, "Mixtral-8x7B (H=4096, I=14336, E=8, K=2) at half width"),
     "deepseek_v3": (2048, 1024, 64, 8, "DeepSeek-V3 scaled (H=7168, I=2048, E=256, K=8, "
                                        "8 groups keep 4)"),
     "gpt_oss": (2880, 2880, 32, 4, "GPT-OSS-20B (H=2880, I=2880, E=32, K=4)"),
@@ -167,7 +167,7 @@ def run_config(arch: str, H: int, I_: int, E: int, K: int, T: int, dtype, device
     res["peak_ratio_vs_grouped_mm"] = res["moegrad_peak_mb"] / res["grouped_mm_peak_mb"]
     if device == "cpu" and res["moegrad_gemm_gflop"] > 0:
         # L229: the expert GEMMs alone, at the rate torch.mm reaches on a large square product,
-        # bound what any backend running them can gain over eager
+        # estimate the most any backend running them can gain over eager
         res["gemm_tflops_square"] = _gemm_rate(dtype) * 1e-12
         floor_ms = res["moegrad_gemm_gflop"] / res["gemm_tflops_square"]
         res["eager_ceiling"] = res["eager_ms"] / floor_ms

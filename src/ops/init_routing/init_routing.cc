@@ -79,9 +79,10 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
                 "must be 0 (dropless/active) or 1 (drop-pad); got ", mode);
   v.check_shape(a.expert_num >= 0, "expert_num", "must be >= 0; got ", a.expert_num);
   const int64_t E = a.expert_num;
+  // unused in drop/pad mode, but checked there too: a negative count other than V3's -1 is a bug
+  v.check_shape(a.active_num >= -1, "active_num",
+                "must be >= 0 (or -1, the same as 0); got ", a.active_num);
   if (mode == 0) {
-    v.check_shape(a.active_num >= -1, "active_num",
-                  "must be >= 0 (or -1, the same as 0); got ", a.active_num);
     // unused without drop/pad, but a negative capacity other than V3's default -1 is a bug
     v.check_shape(a.expert_capacity >= -1, "expert_capacity",
                   "must be >= 0 (or -1, the same as 0); got ", a.expert_capacity);
