@@ -250,14 +250,14 @@ def _run_experts(m: nn.Module, plan: _ExpertsPlan, x: Tensor, idx: Tensor, w: Te
         rows, row_idx, counts = _mg.moe_init_routing(x, idx, expert_num=E)
     w_up, w_down = _weight(m, "gate_up_proj"), _weight(m, "down_proj")
     host = _host_sizes(counts, rows, w_up, w_down, bias=has_bias)
-    up = _expert_gemm(rows, w_up, counts, host,
-                      m.gate_up_proj_bias if has_bias else None)
+    b_up = m.gate_up_proj_bias if has_bias else None
+    up = _regen_up(counts, rows, w_up, b_up, host)
     if plan.activation == "clipped_swiglu":
         act = _mg.clipped_swiglu(up, counts, alpha=plan.alpha, limit=plan.limit, bias=1.0,
                                  interleaved=True)
     elif _over_up_ok(up):
         act = _SwigluOverUp.apply(up, counts, plan.clamp, _inclusive(plan.clamp), _regen_up,
-                                  (rows, w_up, m.gate_up_proj_bias if has_bias else None))
+                                  (rows, w_up, b_up))
     elif plan.clamp > 0:  # the operator's gradient, at the torch.clamp limit (L227)
         act = _SwigluOverUp.apply(up, counts, plan.clamp, _inclusive(plan.clamp), None, ())
     else:
@@ -283,9 +283,11 @@ def _inclusive(limit: float) -> float:
     return struct.unpack("<f", struct.pack("<I", bits + 1))[0]
 
 
-def _regen_up(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """The up GEMM again, for a second backward through the same graph (L228)."""
-    return _expert_gemm(rows, w, counts, None, bias)
+def _regen_up(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor],
+              host: Optional[Tensor] = None) -> Tensor:
+    """The up GEMM: the forward's, and again for a second backward through the same graph
+    (L228), so that the recomputed rows are the forward's by construction."""
+    return _expert_gemm(rows, w, counts, host, bias)
 
 
 def _own_forward(m: nn.Module) -> Callable:

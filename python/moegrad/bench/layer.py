@@ -159,7 +159,8 @@ def _loss_overhead(m: MoE, x, g, reps: int, sync: Callable[[], None]) -> Dict[st
     return dict(losses_off_ms=off * 1e3, losses_on_ms=on * 1e3, losses_overhead=on / off - 1.0)
 
 
-_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
+_PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+_GEMM_OPS = _PRODUCT_OPS + ("aten::_grouped_mm",)
 
 
 def _inside_gemm(event) -> bool:
@@ -171,12 +172,18 @@ def _inside_gemm(event) -> bool:
     return False
 
 
+def _is_router(event, router_shapes) -> bool:
+    """A GEMM event with the router's first two operand shapes (the split counts it as
+    non-GEMM)."""
+    return tuple(tuple(s) for s in event.input_shapes[:2]) in router_shapes
+
+
 def _gemm_seconds(events, router_shapes, stub_event: str = "") -> float:
     """GEMM time of one profiled step (the in-step split, L100 / L224): the whole time of every
     outermost GEMM op (one called inside another counts once), those with the router's operand
     shapes excepted, plus the whole time of the ranges named stub_event."""
     g = sum(e.cpu_time_total for e in events if e.name in _GEMM_OPS and not _inside_gemm(e)
-            and tuple(tuple(s) for s in e.input_shapes[:2]) not in router_shapes)
+            and not _is_router(e, router_shapes))
     if stub_event:
         g += sum(e.cpu_time_total for e in events if e.name == stub_event)
     return g * 1e-6
@@ -189,17 +196,12 @@ def _gemm_flops(events, router_shapes) -> float:
     none of these (a fused grouped GEMM) is not counted."""
     total = 0.0
     for e in events:
-        if e.name not in _GEMM_OPS[:3]:
+        if e.name not in _PRODUCT_OPS or _is_router(e, router_shapes):
             continue
-        shapes = [tuple(s) for s in e.input_shapes]
-        if e.name == "aten::addmm":
-            shapes = shapes[1:]
+        shapes = e.input_shapes[1:] if e.name == "aten::addmm" else e.input_shapes
         if len(shapes) < 2 or not shapes[0] or not shapes[1]:
             continue
-        a, b = shapes[:2]
-        if tuple(tuple(s) for s in e.input_shapes[:2]) in router_shapes:
-            continue
-        total += 2.0 * math.prod(a) * b[-1]
+        total += 2.0 * math.prod(shapes[0]) * shapes[1][-1]
     return total
 
 
@@ -234,7 +236,8 @@ def _in_step_split(fn: Callable[[], None], reps: int, router_shapes,
             wall = time.perf_counter() - t0
         _settle(fn)
         g = _gemm_seconds(prof.events(), router_shapes, stub_event)
-        flops = _gemm_flops(prof.events(), router_shapes)
+        if not flops:  # the same products in every step
+            flops = _gemm_flops(prof.events(), router_shapes)
         gemm.append(g)
         rest.append(wall - g)
         walls.append(wall)

@@ -277,8 +277,11 @@ def _autocast(*ts: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
     return tuple(out)
 
 
-def _regen_grouped(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return MoE._add_bias(grouped_mm(rows, w, counts), bias, counts)
+# The up GEMMs of the layer: the forward calls them, and _SwigluOverUp calls them again to
+# recompute an overwritten `up` (L228), so the two are the same computation by construction.
+def _regen_grouped(counts: Tensor, rows: Tensor, w: Tensor, bias: Optional[Tensor],
+                   host: Optional[Tensor] = None) -> Tensor:
+    return MoE._add_bias(grouped_mm(rows, w, counts, host), bias, counts)
 
 
 def _regen_padded(_counts, rows: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -705,14 +708,14 @@ class MoE(nn.Module):
         """SwiGLU MLPs of the local experts on rows grouped by local expert (counts [E_local])."""
         w_up, w_down, b_up, b_down = _autocast(self.w_up, self.w_down, self.b_up, self.b_down)
         host = _host_sizes(counts, rows, w_up, w_down)
-        up = self._add_bias(grouped_mm(rows, w_up, counts, host), b_up, counts)
+        up = _regen_grouped(counts, rows, w_up, b_up, host)
         act = self._act(up, counts, _regen_grouped, (rows, w_up, b_up))
         return self._add_bias(grouped_mm(act, w_down, counts, host), b_down, counts)
 
     def _experts_padded(self, rows: Tensor) -> Tensor:
         """[E, C, H] -> [E, C, H]: a batched GEMM, no host sync (capacity mode)."""
         w_up, w_down, b_up, b_down = _autocast(self.w_up, self.w_down, self.b_up, self.b_down)
-        up = self._add_bias(torch.bmm(rows, w_up), b_up, None)
+        up = _regen_padded(None, rows, w_up, b_up)
         act = self._act(up, None, _regen_padded, (rows, w_up, b_up))
         return self._add_bias(torch.bmm(act, w_down), b_down, None)
 
@@ -720,8 +723,7 @@ class MoE(nn.Module):
         if self.shared_up is None:
             return None
         w_up, w_down = _autocast(self.shared_up, self.shared_down)
-        up = x @ w_up
-        return self._act(up, None, _regen_mm, (x, w_up)) @ w_down
+        return self._act(_regen_mm(None, x, w_up), None, _regen_mm, (x, w_up)) @ w_down
 
     def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         shape = x.shape
