@@ -216,8 +216,8 @@ def test_fp32_model_matches_eager(device, arch, rng):
 def test_autocast_bf16_model_trains_patched(arch, rng):
     """fp32 weights under CPU bf16 autocast: the patched model runs forward and backward (the
     DeepSeek-V3 router adds its fp32 selection bias to the bf16 logits autocast gives it, as
-    transformers does), its routers return the logits the unpatched ones return, every gradient
-    the unpatched model gets is there and finite, and the loss is within bf16 rounding of
+    transformers does), its first router returns the logits the unpatched one returns, every
+    gradient the unpatched model gets is there and finite, and the loss is within bf16 rounding of
     transformers' default experts backend (grouped_mm, which like moegrad runs the experts in
     the weights' dtype under autocast, L230). Near-ties can select other experts in bf16
     (docs/hf.md), so only the loss is compared."""
@@ -230,13 +230,15 @@ def test_autocast_bf16_model_trains_patched(arch, rng):
     handles = [m.register_forward_hook(lambda _m, _i, o, j=j: logits[j].append(o[0].detach())
                                        or wdt[j].append(o[1].dtype))
                for j, model in enumerate((ref, pat)) for m in model.modules()
-               if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
+               if type(m).__name__.endswith(("TopKRouter", "TopkRouter", "HashRouter"))]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         l_ref = ref(ids, labels=ids).loss
         l_pat = pat(ids, labels=ids).loss
     for h in handles:
         h.remove()
-    assert torch.equal(logits[0][0], logits[1][0])  # the first router sees the same input
+    # The first layer's router sees the same input in both models (DeepSeek-V4's first layers
+    # route by hash; a later router's input went through bf16 experts, so it may differ).
+    assert torch.equal(logits[0][0], logits[1][0])
     assert wdt[0] == wdt[1]  # routing weights in transformers' dtype
     assert abs(l_ref.item() - l_pat.item()) <= 2.0 ** -6 * abs(l_ref.item())
     l_ref.backward()
