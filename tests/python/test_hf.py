@@ -598,7 +598,10 @@ def test_expert_parallel_off_rank_ids(arch, dtype, rng, monkeypatch):
     assert not got["output"][0].any() and not got["x"][0].any()
     with pytest.raises(moegrad.MoeError, match=r"top_k_index: expert ids must be >= 0; got -1"):
         pat(xp, idx.masked_fill(off, -1), wp)
-    rel = FP32_REL if dtype == torch.float32 else 2.0 ** -6
+    # bf16: x, the weights, the up rows, the activation and the output are each rounded to 8
+    # bits; transformers' own bf16 eager forward reaches up to 1.11 * 2^-6 of the largest value
+    # against this float64 truth (450 seeds, the same worst cases as moegrad), so 2^-5.
+    rel = FP32_REL if dtype == torch.float32 else 2.0 ** -5
     for name, truth in want.items():
         err = (got[name].double() - truth).abs().max().item()
         scale = truth.abs().max().item()
