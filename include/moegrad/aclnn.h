@@ -28,8 +28,9 @@
  * An executor shared across threads gives a status, never undefined behaviour: a one-shot
  * executor runs (or is destroyed) exactly once, and a second stage-two run of a repeatable
  * executor, or its destruction, while another thread is running it returns
- * ACLNN_ERR_PARAM_INVALID (docs/decisions.md L54). A destroyed executor's address may be reused
- * by a later one, so a stale handle is only detected until then.
+ * ACLNN_ERR_PARAM_INVALID (docs/decisions.md L54). An executor passed to another operator's
+ * stage two is refused with ACLNN_ERR_PARAM_INVALID and left as it was (the V2/V3 forms of
+ * MoeInitRouting and of ClippedSwiglu share their operator's executors).
  */
 #ifndef MOEGRAD_ACLNN_H_
 #define MOEGRAD_ACLNN_H_
@@ -106,9 +107,10 @@ typedef struct aclIntArray aclIntArray;
 
 /* A tensor handle over caller memory (host memory; device memory in CUDA builds, detected from
  * the pointer). viewDims/stride describe the view in elements; offset is in elements from
- * tensorData; format must be ND (or NCHW/NHWC/NCDHW/NDHWC, all treated as ND); storageDims are
- * accepted and ignored beyond a size check. Returns NULL on invalid arguments (reason in
- * aclGetRecentErrMsg()). Up to 8 dims. */
+ * tensorData. format must be ND (NCHW/NHWC/NCDHW/NDHWC are read as ND): stage one refuses a
+ * tensor in any other format (FRACTAL_NZ, ...) with ACLNN_ERR_PARAM_INVALID naming it.
+ * storageDims are accepted and not used: the view describes the data. Returns NULL on invalid arguments (reason in
+ * aclGetRecentErrMsg()). Up to 16 dims here; each operator checks its own rank rule. */
 MOEGRAD_C_API aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum,
                                          aclDataType dataType, const int64_t* stride,
                                          int64_t offset, aclFormat format,

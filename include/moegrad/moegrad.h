@@ -76,6 +76,9 @@ struct MOEGRAD_API TensorView {
   int64_t strides[kMaxDims] = {};
   Device device = Device::kCPU;
   int32_t device_id = 0;
+  // The aclFormat a C API caller gave (ND = 2; the C++ and Python fronts leave it). Stage one
+  // refuses, with 161002, any format it does not read as ND (docs/operators.md §0).
+  int32_t format = 2;
 
   int64_t numel() const;
   bool is_contiguous() const;

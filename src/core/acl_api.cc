@@ -27,6 +27,7 @@ thread_local std::string t_last_error;
 // later executor (a freed address would be handed out again, a serial never is).
 struct ExecutorEntry {
   ExecutorPtr impl;
+  const char* op = "";      // the operator whose stage one made it (a string literal)
   bool repeatable = false;  // both flags are guarded by the registry mutex
   bool running = false;     // a repeatable executor's stage two is in progress
 };
@@ -60,15 +61,21 @@ uint64_t serial_of(const aclOpExecutor* h) {
 // across threads give a status, never a use-after-free or a double free: a one-shot executor is
 // taken out of the registry by exactly one caller; a repeatable one is marked running, and a
 // second concurrent run or a destroy during a run are refused.
-enum class Use { kUnknown, kBusy, kOneShot, kRepeatable };
+enum class Use { kUnknown, kOtherOp, kBusy, kOneShot, kRepeatable };
 
 // On kOneShot `owned` receives the entry (out of the registry); on kRepeatable `entry` points to
 // it (it stays registered, marked running, until end_run).
-Use begin_run(const aclOpExecutor* h, std::unique_ptr<ExecutorEntry>& owned,
-              ExecutorEntry*& entry) {
+// An executor made by another operator's stage one is refused before it is consumed: its
+// `other_op` is set and it stays as it was.
+Use begin_run(const char* op, const aclOpExecutor* h, std::unique_ptr<ExecutorEntry>& owned,
+              ExecutorEntry*& entry, const char*& other_op) {
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   auto it = registry().find(serial_of(h));
   if (it == registry().end()) return Use::kUnknown;
+  if (std::strcmp(it->second->op, op) != 0) {
+    other_op = it->second->op;
+    return Use::kOtherOp;
+  }
   if (it->second->running) return Use::kBusy;
   if (!it->second->repeatable) {
     owned = std::move(it->second);
@@ -149,9 +156,10 @@ int64_t element_size(const aclDataType& dt) {
 
 void set_last_error(const char* message) { t_last_error = message; }
 
-aclOpExecutor* publish_executor(ExecutorPtr executor) {
+aclOpExecutor* publish_executor(const char* op, ExecutorPtr executor) {
   auto e = std::make_unique<ExecutorEntry>();
   e->impl = std::move(executor);
+  e->op = op;
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   if (g_next_serial > kSerialMask) {
     // 2^53 - 1 executors per process: far beyond any real run, but never wrap onto a serial
@@ -170,11 +178,17 @@ aclnnStatus stage_two(const char* op, void* workspace, uint64_t workspace_size,
     }
     std::unique_ptr<ExecutorEntry> owned;
     ExecutorEntry* entry = nullptr;
-    const Use use = begin_run(executor, owned, entry);
+    const char* other_op = nullptr;
+    const Use use = begin_run(op, executor, owned, entry, other_op);
     if (use == Use::kUnknown) {
       throw Error(kErrParamInvalid, cat(op, ": executor: must come from a GetWorkspaceSize call "
                                             "and not be consumed or destroyed; got an unknown "
                                             "executor"));
+    }
+    if (use == Use::kOtherOp) {
+      throw Error(kErrParamInvalid, cat(op, ": executor: must come from this operator's "
+                                            "GetWorkspaceSize; got one of ", other_op,
+                                            " (left as it was)"));
     }
     if (use == Use::kBusy) busy(op);
     if (use == Use::kRepeatable) {
@@ -214,11 +228,10 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
     if (offset < 0) {
       throw Error(moegrad::kErrParamInvalid, cat("aclCreateTensor: offset: must be >= 0; got ", offset));
     }
-    (void)format;
-    (void)storageDims;
-    (void)storageDimsNum;
     auto t = std::make_unique<aclTensor>();
     moegrad::TensorView& v = t->view;
+    std::memcpy(&v.format, &format, sizeof v.format);  // the bits: a C caller may pass any int
+    static_assert(sizeof v.format == sizeof format, "aclFormat is an int");
     v.dtype = moegrad::dtype_from_acl(dataType);
     v.ndim = static_cast<int32_t>(viewDimsNum);
     int64_t expect = 1;
@@ -245,6 +258,8 @@ aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum, aclDat
                   cat("aclCreateTensor: offset: offset * element size must fit in int64; got ",
                       offset));
     }
+    (void)storageDims;  // the view alone describes the data (ND only)
+    (void)storageDimsNum;
     v.data = tensorData ? static_cast<char*>(tensorData) + offset * esize : nullptr;
     moegrad::locate(v, tensorData);
     out = t.release();

@@ -18,8 +18,9 @@ inline const TensorView* view_of(const aclTensor* t) { return t ? &t->view : nul
 
 void set_last_error(const char* message);
 
-// Registers an executor; stage two only accepts registered ones.
-aclOpExecutor* publish_executor(ExecutorPtr executor);
+// Registers an executor made by `op` (a string literal); stage two only accepts registered
+// ones, from the same op.
+aclOpExecutor* publish_executor(const char* op, ExecutorPtr executor);
 
 
 // Runs f; returns 0, or the status of the exception it threw (message kept for
@@ -55,7 +56,7 @@ aclnnStatus stage_one(const char* op, uint64_t* workspace_size, aclOpExecutor** 
     }
     ExecutorPtr e = plan();
     *workspace_size = e->workspace_size();
-    *executor = publish_executor(std::move(e));
+    *executor = publish_executor(op, std::move(e));
   });
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -40,18 +41,24 @@ inline int64_t add_sat(int64_t a, int64_t b) {
 // One argument's claim about a size several arguments must agree on (see Validator::agree).
 // The description ("dim 0 of [3, 4]") is only formatted when the claim is blamed.
 struct Claim {
-  enum Kind : int32_t { kDim, kRank, kHalfDim };
+  enum Kind : int32_t { kDim, kRank, kHalfDim, kQuotient };
   const char* arg;
   int64_t value;
   const TensorView* t;
   int32_t dim;
   Kind kind;
+  int64_t div = 1;     // kQuotient: value = t.shape[dim] / div
+  bool blame = true;   // false: a witness that only votes; a later rule of its own names it
   std::string where() const;
 };
 // The claim of dim d of t (d < 0 counts from the end); of its rank; of half of dim d.
 Claim dim_claim(const TensorView& t, const char* arg, int d);
 Claim rank_claim(const TensorView& t, const char* arg);
 Claim half_dim_claim(const TensorView& t, const char* arg, int d);
+// A witness: dim d of t over div (the token count R that expanded_row_idx's R * K rows give).
+// It votes but is never blamed by agree (its own rule names it later). nullopt when div < 1 or
+// does not divide the dim: such a witness says nothing.
+std::optional<Claim> witness_claim(const TensorView& t, const char* arg, int d, int64_t div);
 
 // Messages are built without iostreams: a std::ostream formats numbers through the locale's
 // facets, and a process holding two libstdc++ copies (an extension linked against a static one
@@ -177,10 +184,11 @@ class Validator {
   // Shape code unless t has exactly `want` as shape.
   void shape(const TensorView& t, const char* arg, const Shape& want) const;
 
-  // Several arguments carry the same size (the token count, the hidden size, ...). The value
-  // most claims agree on is taken as right (a tie goes to the earliest claim; list inputs before
-  // outputs) and the first claim that differs is blamed, so the error names the argument that
-  // is actually wrong rather than the one it was compared with. Returns the agreed value.
+  // Several arguments carry the same size (the token count, the hidden size, ...). Of the
+  // values the blameable claims hold, the one most claims (witnesses included) agree on is taken
+  // as right (a tie goes to the earliest claim; list inputs before outputs) and the first
+  // blameable claim that differs is blamed, so the error names the argument that is actually
+  // wrong rather than the one it was compared with. Returns the agreed value.
   int64_t agree(const char* what, const std::vector<Claim>& claims) const;
 
   int32_t shape_code() const { return shape_code_; }

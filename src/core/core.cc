@@ -121,10 +121,17 @@ Claim half_dim_claim(const TensorView& t, const char* arg, int d) {
   return Claim{arg, t.shape[i] / 2, &t, i, Claim::kHalfDim};
 }
 
+std::optional<Claim> witness_claim(const TensorView& t, const char* arg, int d, int64_t div) {
+  const int i = d < 0 ? t.ndim + d : d;
+  if (div < 1 || t.shape[i] % div != 0) return std::nullopt;
+  return Claim{arg, t.shape[i] / div, &t, i, Claim::kQuotient, div, false};
+}
+
 std::string Claim::where() const {
   switch (kind) {
     case kRank: return cat("rank of ", shape_str(*t));
     case kHalfDim: return cat("half of dim ", dim, " of ", shape_str(*t));
+    case kQuotient: return cat("dim ", dim, " of ", shape_str(*t), " over ", div);
     default: return cat("dim ", dim, " of ", shape_str(*t));
   }
 }
@@ -132,13 +139,14 @@ std::string Claim::where() const {
 int64_t Validator::agree(const char* what, const std::vector<Claim>& claims) const {
   size_t best = 0, best_count = 0;
   for (size_t i = 0; i < claims.size(); ++i) {
+    if (!claims[i].blame) continue;
     size_t count = 0;
     for (const Claim& c : claims) count += c.value == claims[i].value;
     if (count > best_count) best = i, best_count = count;
   }
   const int64_t want = claims[best].value;
   for (const Claim& c : claims) {
-    if (c.value == want) continue;
+    if (c.value == want || !c.blame) continue;
     std::string from;
     for (const Claim& o : claims) {
       if (o.value == want) from += from.empty() ? cat(o.arg, "'s ", o.where()) : cat(", ", o.arg, "'s ", o.where());
@@ -195,6 +203,17 @@ void Validator::contiguous(const TensorView& t, const char* arg) const {
   }
   if (!t.is_contiguous()) {
     fail(kErrParamInvalid, arg, "tensor must be contiguous (row-major); got a strided view");
+  }
+  // aclFormat codes: NCHW 0, NHWC 1, ND 2, NDHWC 27, NCDHW 30 are plain row-major data; the
+  // blocked ones (NC1HWC0 3, FRACTAL_Z 4, FRACTAL_NZ 29, ...) would be read wrongly.
+  switch (t.format) {
+    case 0: case 1: case 2: case 27: case 30: break;
+    default: {
+      const char* name = t.format == 3 ? " (NC1HWC0)" : t.format == 4 ? " (FRACTAL_Z)"
+                       : t.format == 29 ? " (FRACTAL_NZ)" : t.format == -1 ? " (UNDEFINED)" : "";
+      fail(kErrParamInvalid, arg, cat("format must be ND (NCHW, NHWC, NCDHW and NDHWC are read "
+                                      "as ND); got ", t.format, name));
+    }
   }
 }
 

@@ -130,8 +130,11 @@ const std::vector<RF> kFwdRules = {
     {"YDtypeNotX", [](FwdCase& c) { c.y = Tensor({3, 4}, ACL_BF16); }, kInv, "y|out"},
     {"GroupIndexInt32", [](FwdCase& c) { c.group_index = Tensor({2}, ACL_INT32); }, kInv, "group_index|groupIndex"},
     {"XStrided", [](FwdCase& c) { c.x = Tensor::strided({3, 8}, ACL_FLOAT); }, kInv, "x"},
+    {"XFormatNZ", [](FwdCase& c) { c.x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 8}, ACL_FLOAT); }, kInv, "x"},
     {"YStrided", [](FwdCase& c) { c.y = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "y|out"},
+    {"YFormatNZ", [](FwdCase& c) { c.y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "y|out"},
     {"GroupIndexStrided", [](FwdCase& c) { c.group_index = Tensor::strided({2}, ACL_INT64); }, kInv, "group_index|groupIndex"},
+    {"GroupIndexFormatNZ", [](FwdCase& c) { c.group_index = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {2}, ACL_INT64); }, kInv, "group_index|groupIndex"},
     {"XRank0", [](FwdCase& c) { c.x = Tensor({}, ACL_FLOAT); }, kInv, "x", {"rank"}},
     {"XRank9", [](FwdCase& c) {
        c.x = Tensor({1, 1, 1, 1, 1, 1, 1, 1, 2}, ACL_FLOAT); c.y = Tensor({1, 1, 1, 1, 1, 1, 1, 1, 1}, ACL_FLOAT);
@@ -177,7 +180,9 @@ const std::vector<RG> kGradRules = {
     {"GradXDtypeNotX", [](GradCase& c) { c.grad_x = Tensor({3, 8}, ACL_BF16); }, kInv, "grad_x|gradXOut"},
     {"GroupIndexInt32", [](GradCase& c) { c.group_index = Tensor({2}, ACL_INT32); }, kInv, "group_index|groupIndex"},
     {"GradYStrided", [](GradCase& c) { c.grad_y = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
+    {"GradYFormatNZ", [](GradCase& c) { c.grad_y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
     {"GradXStrided", [](GradCase& c) { c.grad_x = Tensor::strided({3, 8}, ACL_FLOAT); }, kInv, "grad_x|gradXOut"},
+    {"GradXFormatNZ", [](GradCase& c) { c.grad_x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 8}, ACL_FLOAT); }, kInv, "grad_x|gradXOut"},
     {"DimOutOfRange", [](GradCase& c) { c.attr.dim = 5; }, kInv, "dim"},
     {"ClampModeThree", [](GradCase& c) { c.attr.mode = 3; }, kInv, "clamp_mode|clampMode"},
     {"Mode1AlphaNotDefault", [](GradCase& c) { c.attr.mode = 1; c.attr.alpha = 2.0; }, kInv, "alpha"},

@@ -69,6 +69,7 @@ const std::vector<R_> kRules = {
     {"ScalesInt32", [](BiasGradCase& c) { c.scales = Tensor({5, 2}, ACL_INT32); }, kInv, "scales"},
     {"GradBiasFp16", [](BiasGradCase& c) { c.grad_bias = Tensor({3, 6}, ACL_FLOAT16); }, kInv, "grad_bias|gradBiasOut"},
     {"GradYStrided", [](BiasGradCase& c) { c.grad_y = Tensor::strided({5, 6}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
+    {"GradYFormatNZ", [](BiasGradCase& c) { c.grad_y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {5, 6}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
     {"GradYRank3", [](BiasGradCase& c) { c.grad_y = Tensor({5, 6, 1}, ACL_FLOAT); }, kShape, "grad_y|gradY"},
     {"ExpertIdxRows", [](BiasGradCase& c) { c.expert_idx = Tensor({4, 2}, ACL_INT32); }, kShape, "expert_idx|expertIdx"},
     {"ExpertIdxK0", [](BiasGradCase& c) { c.expert_idx = Tensor({5, 0}, ACL_INT32); c.scales = Tensor(); }, kShape, "expert_idx|expertIdx"},

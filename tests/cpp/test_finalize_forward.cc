@@ -157,13 +157,21 @@ const std::vector<R_> kRules = {
     {"ExpertIdxNegative", [](FinalizeFwdCase& c) { c.expert_idx.set_i32(1, -1); }, kShape, "expert_idx|expertIdx", {"-1", "1"}},
     // layouts: 161002 (D19)
     {"ExpandedXStrided", [](FinalizeFwdCase& c) { c.expanded_x = Tensor::strided({6, 4}, ACL_FLOAT); }, kInv, "expanded_x|expandedX"},
+    {"ExpandedXFormatNZ", [](FinalizeFwdCase& c) { c.expanded_x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {6, 4}, ACL_FLOAT); }, kInv, "expanded_x|expandedX"},
     {"ExpandedRowIdxStrided", [](FinalizeFwdCase& c) { c.expanded_row_idx = Tensor::strided({6}, ACL_INT32); }, kInv, "expanded_row_idx|expandedRowIdx"},
+    {"ExpandedRowIdxFormatNZ", [](FinalizeFwdCase& c) { c.expanded_row_idx = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {6}, ACL_INT32); }, kInv, "expanded_row_idx|expandedRowIdx"},
     {"X1Strided", [](FinalizeFwdCase& c) { c.x1 = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "x1"},
+    {"X1FormatNZ", [](FinalizeFwdCase& c) { c.x1 = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "x1"},
     {"X2Strided", [](FinalizeFwdCase& c) { c.x2 = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "x2"},
+    {"X2FormatNZ", [](FinalizeFwdCase& c) { c.x2 = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "x2"},
     {"BiasStrided", [](FinalizeFwdCase& c) { c.bias = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "bias"},
+    {"BiasFormatNZ", [](FinalizeFwdCase& c) { c.bias = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "bias"},
     {"ScalesStrided", [](FinalizeFwdCase& c) { c.scales = Tensor::strided({3, 2}, ACL_FLOAT); }, kInv, "scales"},
+    {"ScalesFormatNZ", [](FinalizeFwdCase& c) { c.scales = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_FLOAT); }, kInv, "scales"},
     {"ExpertIdxStrided", [](FinalizeFwdCase& c) { c.expert_idx = Tensor::strided({3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdx"},
+    {"ExpertIdxFormatNZ", [](FinalizeFwdCase& c) { c.expert_idx = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdx"},
     {"OutStrided", [](FinalizeFwdCase& c) { c.out = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "out"},
+    {"OutFormatNZ", [](FinalizeFwdCase& c) { c.out = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "out"},
 };
 
 class FinalizeForwardRules : public testing::TestWithParam<R_> {};
@@ -328,3 +336,17 @@ TEST(MoeFinalizeRoutingV2, WorkspaceSizeIdempotent) {
 }
 
 }  // namespace
+
+// Only scales and out carry R: expanded_row_idx's R * K rows witness which one is wrong.
+TEST(FinalizeForwardBlame, TheOddTokenCountIsNamed) {
+  for (const char* wrong : {"scales", "out"}) {
+    FinalizeFwdCase c;
+    c.x1 = Tensor();
+    c.x2 = Tensor();
+    c.bias = Tensor();
+    c.expert_idx = Tensor();
+    if (std::string(wrong) == "scales") c.scales = Tensor({2, 2}, ACL_FLOAT);
+    else c.out = Tensor({2, 4}, ACL_FLOAT);
+    expect_blamed(c, ACLNN_ERR_INNER_NULLPTR, "moe_finalize_routing", wrong);
+  }
+}

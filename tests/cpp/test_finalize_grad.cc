@@ -189,13 +189,21 @@ const std::vector<R_> kRules = {
     {"ExpertIdxNegative", [](FinalizeGradCase& c) { c.expert_idx.set_i32(0, -1); }, kShape, "expert_idx|expertIdx", {"-1", "0"}},
     // layouts: 161002 (D19)
     {"GradYStrided", [](FinalizeGradCase& c) { c.grad_y = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
+    {"GradYFormatNZ", [](FinalizeGradCase& c) { c.grad_y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
     {"ExpandedRowIdxStrided", [](FinalizeGradCase& c) { c.expanded_row_idx = Tensor::strided({6}, ACL_INT32); }, kInv, "expanded_row_idx|expandedRowIdx"},
+    {"ExpandedRowIdxFormatNZ", [](FinalizeGradCase& c) { c.expanded_row_idx = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {6}, ACL_INT32); }, kInv, "expanded_row_idx|expandedRowIdx"},
     {"ExpandedXStrided", [](FinalizeGradCase& c) { c.expanded_x = Tensor::strided({6, 4}, ACL_FLOAT); }, kInv, "expanded_x|expandedX"},
+    {"ExpandedXFormatNZ", [](FinalizeGradCase& c) { c.expanded_x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {6, 4}, ACL_FLOAT); }, kInv, "expanded_x|expandedX"},
     {"ScalesStrided", [](FinalizeGradCase& c) { c.scales = Tensor::strided({3, 2}, ACL_FLOAT); }, kInv, "scales"},
+    {"ScalesFormatNZ", [](FinalizeGradCase& c) { c.scales = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_FLOAT); }, kInv, "scales"},
     {"ExpertIdxStrided", [](FinalizeGradCase& c) { c.expert_idx = Tensor::strided({3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdx"},
+    {"ExpertIdxFormatNZ", [](FinalizeGradCase& c) { c.expert_idx = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdx"},
     {"BiasStrided", [](FinalizeGradCase& c) { c.bias = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "bias"},
+    {"BiasFormatNZ", [](FinalizeGradCase& c) { c.bias = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "bias"},
     {"GradExpandedXStrided", [](FinalizeGradCase& c) { c.grad_expanded_x = Tensor::strided({6, 4}, ACL_FLOAT); }, kInv, "grad_expanded_x|gradExpandedXOut"},
+    {"GradExpandedXFormatNZ", [](FinalizeGradCase& c) { c.grad_expanded_x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {6, 4}, ACL_FLOAT); }, kInv, "grad_expanded_x|gradExpandedXOut"},
     {"GradScalesStrided", [](FinalizeGradCase& c) { c.grad_scales = Tensor::strided({3, 2}, ACL_FLOAT); }, kInv, "grad_scales|gradScalesOut"},
+    {"GradScalesFormatNZ", [](FinalizeGradCase& c) { c.grad_scales = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_FLOAT); }, kInv, "grad_scales|gradScalesOut"},
 };
 
 class FinalizeGradRules : public testing::TestWithParam<R_> {};
@@ -389,3 +397,16 @@ TEST(MoeFinalizeRoutingV2Grad, WorkspaceSizeIdempotent) {
 }
 
 }  // namespace
+
+// Two tensors disagree on R: expanded_row_idx's R * K rows and the grad_scales output witness
+// which one is wrong (grad_y here), rather than the earlier one being taken as right.
+TEST(FinalizeGradBlame, TheOddTokenCountIsNamed) {
+  FinalizeGradCase c;
+  c.bias = Tensor();
+  c.expert_idx = Tensor();
+  c.grad_y = Tensor({4, 4}, ACL_FLOAT);
+  expect_blamed(c, ACLNN_ERR_INNER_NULLPTR, "moe_finalize_routing_grad", "grad_y");
+  c.grad_y = Tensor({3, 4}, ACL_FLOAT);
+  c.scales = Tensor({4, 2}, ACL_FLOAT);
+  expect_blamed(c, ACLNN_ERR_INNER_NULLPTR, "moe_finalize_routing_grad", "scales");
+}

@@ -135,9 +135,13 @@ const std::vector<R> kRules = {
     {"EpsMinusInf", [](GatingBwdCase& c) { c.eps = -INFINITY; }, kInv, "eps"},
     // layouts: 161002 (D19)
     {"XNormStrided", [](GatingBwdCase& c) { c.x_norm = Tensor::strided({3, 6}, ACL_FLOAT); }, kInv, "x_norm|xNorm"},
+    {"XNormFormatNZ", [](GatingBwdCase& c) { c.x_norm = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 6}, ACL_FLOAT); }, kInv, "x_norm|xNorm"},
     {"GradYStrided", [](GatingBwdCase& c) { c.grad_y = Tensor::strided({3, 2}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
+    {"GradYFormatNZ", [](GatingBwdCase& c) { c.grad_y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
     {"ExpertIdxStrided", [](GatingBwdCase& c) { c.expert_idx = Tensor::strided({3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdx"},
+    {"ExpertIdxFormatNZ", [](GatingBwdCase& c) { c.expert_idx = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdx"},
     {"OutStrided", [](GatingBwdCase& c) { c.out = Tensor::strided({3, 6}, ACL_FLOAT); }, kInv, "grad_x|out"},
+    {"OutFormatNZ", [](GatingBwdCase& c) { c.out = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 6}, ACL_FLOAT); }, kInv, "grad_x|out"},
     {"XNormTransposed", [](GatingBwdCase& c) { c.x_norm = Tensor::transposed(3, 6, ACL_FLOAT); }, kInv, "x_norm|xNorm"},
     {"OutTransposed", [](GatingBwdCase& c) { c.out = Tensor::transposed(3, 6, ACL_FLOAT); }, kInv, "grad_x|out"},
     // host index values: 161002 naming the position and value (D6)

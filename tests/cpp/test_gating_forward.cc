@@ -142,10 +142,15 @@ const std::vector<R> kRules = {
     {"NormOutRank1", [](GatingFwdCase& c) { c.norm_out = Tensor({24}, ACL_FLOAT); }, kTiling, "norm_out|outOut"},
     // layouts: 161002 (D19)
     {"XStrided", [](GatingFwdCase& c) { c.x = Tensor::strided({3, 8}, ACL_FLOAT); }, kInv, "x"},
+    {"XFormatNZ", [](GatingFwdCase& c) { c.x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 8}, ACL_FLOAT); }, kInv, "x"},
     {"BiasStrided", [](GatingFwdCase& c) { c.bias = Tensor::strided({8}, ACL_FLOAT); }, kInv, "bias"},
+    {"BiasFormatNZ", [](GatingFwdCase& c) { c.bias = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {8}, ACL_FLOAT); }, kInv, "bias"},
     {"YStrided", [](GatingFwdCase& c) { c.y = Tensor::strided({3, 2}, ACL_FLOAT); }, kInv, "y|yOut"},
+    {"YFormatNZ", [](GatingFwdCase& c) { c.y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_FLOAT); }, kInv, "y|yOut"},
     {"ExpertIdxStrided", [](GatingFwdCase& c) { c.expert_idx = Tensor::strided({3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdxOut"},
+    {"ExpertIdxFormatNZ", [](GatingFwdCase& c) { c.expert_idx = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_INT32); }, kInv, "expert_idx|expertIdxOut"},
     {"NormOutStrided", [](GatingFwdCase& c) { c.norm_out = Tensor::strided({3, 8}, ACL_FLOAT); }, kInv, "norm_out|outOut"},
+    {"NormOutFormatNZ", [](GatingFwdCase& c) { c.norm_out = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 8}, ACL_FLOAT); }, kInv, "norm_out|outOut"},
 };
 
 class GatingForwardRules : public testing::TestWithParam<R> {};

@@ -126,6 +126,7 @@ const std::vector<RV2> kV2Rules = {
     {"ExpandedRowIdxDtype", [](V2Case& c) { c.expanded_row_idx = Tensor({6}, ACL_INT64); }, kInv, "expanded_row_idx"},
     {"CountsInt64", [](V2Case& c) { c.counts = Tensor({4}, ACL_INT64); }, kInv, "expert_tokens_count_or_cumsum"},
     {"XStrided", [](V2Case& c) { c.x = Tensor::strided({3, 2}, ACL_FLOAT); }, kInv, "x"},
+    {"XFormatNZ", [](V2Case& c) { c.x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 2}, ACL_FLOAT); }, kInv, "x"},
     {"ActiveNumNegative", [](V2Case& c) { c.active_num = -1; }, kShape, "active_num"},
     {"ExpertNumNegative", [](V2Case& c) { c.expert_num = -1; c.count_flag = 0; }, kShape, "expert_num"},
     {"CapacityNegative", [](V2Case& c) { c.capacity = -1; }, kShape, "expert_capacity"},
@@ -198,6 +199,7 @@ const std::vector<RG> kGradRules = {
     {"IdxInt64", [](GradCase& c) { c.idx = Tensor({6}, ACL_INT64); }, kInv, "expanded_row_idx"},
     {"OutDtype", [](GradCase& c) { c.out = Tensor({3, 2}, ACL_BF16); }, kInv, "grad_x"},
     {"GradStrided", [](GradCase& c) { c.grad = Tensor::strided({6, 2}, ACL_FLOAT); }, kInv, "grad_expanded_x"},
+    {"GradFormatNZ", [](GradCase& c) { c.grad = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {6, 2}, ACL_FLOAT); }, kInv, "grad_expanded_x"},
     {"DropPadMode2", [](GradCase& c) { c.mode = 2; }, kShape, "drop_pad_mode"},
     {"TopKZero", [](GradCase& c) { c.top_k = 0; }, kShape, "top_k"},
     {"ActiveNegative", [](GradCase& c) { c.active_num = -1; }, kShape, "active_num"},
@@ -430,3 +432,14 @@ TEST(AclIntArray, CreateAndDestroy) {
 }
 
 }  // namespace
+
+// x and expert_idx disagree on R: expanded_row_idx's R * K rows witness which one is wrong
+// (x is not taken as right by default).
+TEST(InitRoutingBlame, TheOddTokenCountIsNamed) {
+  V2Case c;
+  c.x = Tensor({4, 2}, ACL_FLOAT);
+  expect_blamed(c, ACLNN_ERR_INNER_NULLPTR, "moe_init_routing", "x");
+  V2Case d;
+  d.expert_idx = Tensor::from_i32({4, 2}, {0, 1, 2, 3, 0, 1, 2, 3});
+  expect_blamed(d, ACLNN_ERR_INNER_NULLPTR, "moe_init_routing", "expert_idx");
+}

@@ -105,6 +105,24 @@ TEST(ExecutorLifetime, DestroyWithoutRunning) {
   for (float v : s.out) EXPECT_EQ(v, -7.0f) << "planning alone must not write outputs";
 }
 
+// Stage two of another operator refuses an executor and leaves it as it was: a one-shot one
+// still runs once under its own operator, and nothing is written by the refused call.
+TEST(ExecutorLifetime, AnotherOperatorsStageTwoIsRefused) {
+  Small s;
+  aclOpExecutor* ex = nullptr;
+  ASSERT_EQ(s.plan(&ex), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+  using StageTwo = aclnnStatus (*)(void*, uint64_t, aclOpExecutor*, aclrtStream);
+  for (StageTwo other : {StageTwo{aclnnMoeFinalizeRoutingV2}, StageTwo{aclnnSwigluGroupQuantGrad},
+                         StageTwo{aclnnMoeGatingTopK}, StageTwo{aclnnMoeInitRoutingV2Grad}}) {
+    EXPECT_EQ(other(nullptr, 0, ex, nullptr), ACLNN_ERR_PARAM_INVALID);
+    const std::string msg = aclGetRecentErrMsg();
+    EXPECT_TRUE(has_word(msg, "executor") && has_word(msg, "moe_gating_top_k_backward")) << msg;
+    for (float v : s.out) EXPECT_EQ(v, -7.0f) << "a refused stage two must not run";
+  }
+  ASSERT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, ex, nullptr), ACLNN_SUCCESS) << aclGetRecentErrMsg();
+  s.expect_result();
+}
+
 // A consumed or destroyed executor stays unknown for good (docs/decisions.md L83): even when
 // the executors planned after it (same operator, same size) would reuse its memory, the stale
 // handle never reaches them. Before handles were serial numbers, a freed handle passed again
@@ -328,3 +346,31 @@ TEST(Threads, SetAndRestore) {
 }
 
 }  // namespace
+
+// A format stage one does not read as ND (a blocked one, or any other int a C caller passes)
+// is refused with 161002 naming the tensor; NCHW and the other plain layouts are read as ND.
+TEST(TensorHandles, FormatsOtherThanNdAreRefused) {
+  for (int32_t f : {3, 4, 29, -1, 999, 0, 1, 27, 30}) {
+    Small s;
+    aclDestroyTensor(s.t_xn);
+    const int64_t mn[2] = {2, 4};
+    aclFormat fmt;
+    std::memcpy(&fmt, &f, sizeof fmt);
+    s.t_xn = aclCreateTensor(mn, 2, ACL_FLOAT, nullptr, 0, fmt, mn, 2, s.xn.data());
+    ASSERT_NE(s.t_xn, nullptr) << aclGetRecentErrMsg();
+    aclOpExecutor* ex = nullptr;
+    const bool nd = f == 0 || f == 1 || f == 27 || f == 30;
+    const aclnnStatus st = s.plan(&ex);
+    if (nd) {
+      ASSERT_EQ(st, ACLNN_SUCCESS) << f << ": " << aclGetRecentErrMsg();
+      ASSERT_EQ(aclnnMoeGatingTopKBackward(nullptr, 0, ex, nullptr), ACLNN_SUCCESS);
+      s.expect_result();
+    } else {
+      EXPECT_EQ(st, ACLNN_ERR_PARAM_INVALID) << f;
+      const std::string msg = aclGetRecentErrMsg();
+      EXPECT_TRUE(has_word(msg, "x_norm") && has_word(msg, "format") &&
+                  has_word(msg, std::to_string(f))) << msg;
+      for (float v : s.out) EXPECT_EQ(v, -7.0f);
+    }
+  }
+}

@@ -125,12 +125,19 @@ const std::vector<RG> kGradRules = {
     {"GradWeightRankNotWeight", [](SwigluGradCase& c) { c.grad_weight = Tensor({3, 1}, ACL_FLOAT); }, kTiling, "grad_weight|gradWeightOut"},
     // layouts: 161002 (D19)
     {"GradYStrided", [](SwigluGradCase& c) { c.grad_y = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
+    {"GradYFormatNZ", [](SwigluGradCase& c) { c.grad_y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "grad_y|gradY"},
     {"XStrided", [](SwigluGradCase& c) { c.x = Tensor::strided({3, 8}, ACL_FLOAT); }, kInv, "x"},
+    {"XFormatNZ", [](SwigluGradCase& c) { c.x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 8}, ACL_FLOAT); }, kInv, "x"},
     {"WeightStrided", [](SwigluGradCase& c) { c.weight = Tensor::strided({3}, ACL_FLOAT); }, kInv, "weight"},
+    {"WeightFormatNZ", [](SwigluGradCase& c) { c.weight = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3}, ACL_FLOAT); }, kInv, "weight"},
     {"YOriginStrided", [](SwigluGradCase& c) { c.y_origin = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "y_origin|yOrigin"},
+    {"YOriginFormatNZ", [](SwigluGradCase& c) { c.y_origin = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "y_origin|yOrigin"},
     {"GroupIndexStrided", [](SwigluGradCase& c) { c.group_index = Tensor::strided({2}, ACL_INT64); }, kInv, "group_index|groupIndex"},
+    {"GroupIndexFormatNZ", [](SwigluGradCase& c) { c.group_index = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {2}, ACL_INT64); }, kInv, "group_index|groupIndex"},
     {"GradXStrided", [](SwigluGradCase& c) { c.grad_x = Tensor::strided({3, 8}, ACL_FLOAT); }, kInv, "grad_x|gradXOut"},
+    {"GradXFormatNZ", [](SwigluGradCase& c) { c.grad_x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 8}, ACL_FLOAT); }, kInv, "grad_x|gradXOut"},
     {"GradWeightStrided", [](SwigluGradCase& c) { c.grad_weight = Tensor::strided({3}, ACL_FLOAT); }, kInv, "grad_weight|gradWeightOut"},
+    {"GradWeightFormatNZ", [](SwigluGradCase& c) { c.grad_weight = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3}, ACL_FLOAT); }, kInv, "grad_weight|gradWeightOut"},
 };
 
 class SwigluGradRules : public testing::TestWithParam<RG> {};
@@ -357,9 +364,13 @@ const std::vector<RF> kFwdRules = {
     {"YShapeNotHalfX", [](SwigluFwdCase& c) { c.y = Tensor({3, 8}, ACL_FLOAT); }, kTiling, "y|yOut"},
     {"YRankNotX", [](SwigluFwdCase& c) { c.y = Tensor({12}, ACL_FLOAT); }, kTiling, "y|yOut"},
     {"XStrided", [](SwigluFwdCase& c) { c.x = Tensor::strided({3, 8}, ACL_FLOAT); }, kInv, "x"},
+    {"XFormatNZ", [](SwigluFwdCase& c) { c.x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 8}, ACL_FLOAT); }, kInv, "x"},
     {"WeightStrided", [](SwigluFwdCase& c) { c.weight = Tensor::strided({3}, ACL_FLOAT); }, kInv, "weight"},
+    {"WeightFormatNZ", [](SwigluFwdCase& c) { c.weight = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3}, ACL_FLOAT); }, kInv, "weight"},
     {"GroupIndexStrided", [](SwigluFwdCase& c) { c.group_index = Tensor::strided({2}, ACL_INT64); }, kInv, "group_index|groupIndex"},
+    {"GroupIndexFormatNZ", [](SwigluFwdCase& c) { c.group_index = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {2}, ACL_INT64); }, kInv, "group_index|groupIndex"},
     {"YStrided", [](SwigluFwdCase& c) { c.y = Tensor::strided({3, 4}, ACL_FLOAT); }, kInv, "y|yOut"},
+    {"YFormatNZ", [](SwigluFwdCase& c) { c.y = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {3, 4}, ACL_FLOAT); }, kInv, "y|yOut"},
 };
 
 class SwigluForwardRules : public testing::TestWithParam<RF> {};

@@ -195,6 +195,7 @@ const std::vector<R_> kRules = {
     {"MxYScaleFp32", [](QuantCase& c) { c.quant_mode = 1; c.round_scale = true; c.alloc_outputs(); c.y_scale = Tensor({3, 2, 4, 2}, ACL_FLOAT); }, kInv, "y_scale|yScaleOut"},
     {"YOriginDtype", [](QuantCase& c) { c.y_origin = Tensor({3, 2, 200}, ACL_FLOAT); }, kInv, "y_origin|yOriginOut"},
     {"XStrided", [](QuantCase& c) { c.x = Tensor::strided({6, 400}, ACL_BF16); c.lead = {6}; c.alloc_outputs(); c.weight = Tensor({6}, ACL_FLOAT); }, kInv, "x"},
+    {"XFormatNZ", [](QuantCase& c) { c.x = Tensor::formatted(ACL_FORMAT_FRACTAL_NZ, {6, 400}, ACL_BF16); c.lead = {6}; c.alloc_outputs(); c.weight = Tensor({6}, ACL_FLOAT); }, kInv, "x"},
     {"ClampZero", [](QuantCase& c) { c.clamp = 0.0; }, kShape, "clamp_limit|clampLimit"},
     {"ClampNaN", [](QuantCase& c) { c.clamp = std::nan(""); }, kShape, "clamp_limit|clampLimit"},
     {"XRank1", [](QuantCase& c) { c.x = Tensor({400}, ACL_BF16); }, kShape, "x"},

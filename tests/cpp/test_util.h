@@ -149,7 +149,8 @@ class Tensor {
   Tensor() = default;  // the null tensor: handle() is nullptr
 
   // Contiguous, zero-filled.
-  Tensor(std::vector<int64_t> shape, aclDataType dt) : shape_(std::move(shape)), dt_(dt) {
+  Tensor(std::vector<int64_t> shape, aclDataType dt, aclFormat format = ACL_FORMAT_ND)
+      : shape_(std::move(shape)), dt_(dt), format_(format) {
     storage_elems_ = numel_of(shape_);
     strides_.assign(shape_.size(), 1);
     for (int i = static_cast<int>(shape_.size()) - 2; i >= 0; --i) {
@@ -171,6 +172,12 @@ class Tensor {
     t.storage_elems_ = 2 * numel_of(t.shape_);
     t.alloc_and_create();
     return t;
+  }
+
+  // A contiguous, zero-filled tensor created with aclFormat `format` (stage one refuses any
+  // format it does not read as ND).
+  static Tensor formatted(aclFormat format, std::vector<int64_t> shape, aclDataType dt) {
+    return Tensor(std::move(shape), dt, format);
   }
 
   // A 2-D view [rows, cols] over a column-major buffer (strides {1, rows}): non-contiguous.
@@ -292,7 +299,7 @@ class Tensor {
   void create(void* data) {
     std::vector<int64_t> storage{storage_elems_};
     aclTensor* h = aclCreateTensor(shape_.data(), shape_.size(), dt_, strides_.data(), 0,
-                                   ACL_FORMAT_ND, storage.data(), 1, data);
+                                   format_, storage.data(), 1, data);
     if (h == nullptr) ADD_FAILURE() << "aclCreateTensor failed: " << aclGetRecentErrMsg();
     handle_.reset(h);
   }
@@ -301,6 +308,7 @@ class Tensor {
   std::vector<int64_t> strides_;
   int64_t storage_elems_ = 0;
   aclDataType dt_ = ACL_FLOAT;
+  aclFormat format_ = ACL_FORMAT_ND;
   std::vector<unsigned char> buf_;
   std::unique_ptr<aclTensor, Destroy> handle_;
 };
@@ -377,6 +385,15 @@ inline void expect_rejected(OpCase& c, aclnnStatus code, const std::string& arg,
     }
   }
   if (ex != kSentinelExecutor && ex != nullptr) aclDestroyAclOpExecutor(ex);
+}
+
+// As expect_rejected, and the message blames `arg` itself: it starts "op: arg:" (a size several
+// arguments carry names the odd one out, not the one it was compared with; L50).
+inline void expect_blamed(OpCase& c, aclnnStatus code, const std::string& op,
+                          const std::string& arg) {
+  expect_rejected(c, code, arg);
+  const std::string msg = aclGetRecentErrMsg();
+  EXPECT_EQ(msg.rfind(op + ": " + arg + ":", 0), 0u) << "must blame " << arg << "; got: " << msg;
 }
 
 // Runs both stages with a malloc'ed workspace; outputs are poisoned first (so every element

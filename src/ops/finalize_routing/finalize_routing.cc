@@ -86,6 +86,12 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
     if (t) r_claims.push_back(dim_claim(*t, name, 0));
   }
   if (with_outputs) r_claims.push_back(dim_claim(*out, "out", 0));
+  // expanded_row_idx's R * K rows witness R (K from the first tensor that carries it), so a
+  // mismatch between two tensors does not fall on the earlier one by default.
+  const int64_t k_seen = scales ? scales->shape[1] : eidx ? eidx->shape[1] : k_given ? k_hint : 0;
+  if (auto w = witness_claim(*idx, "expanded_row_idx", 0, k_seen); w && !r_claims.empty()) {
+    r_claims.push_back(*w);
+  }
   int64_t R;
   if (!r_claims.empty()) {
     R = v.agree("token count R", r_claims);
@@ -234,6 +240,13 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   std::vector<Claim> r_claims{dim_claim(*gy, "grad_y", 0)};
   if (scales) r_claims.push_back(dim_claim(*scales, "scales", 0));
   if (eidx_used) r_claims.push_back(dim_claim(*eidx_used, "expert_idx", 0));
+  // Witnesses (their own rules name them later): expanded_row_idx's R * K rows and grad_scales.
+  if (auto w = witness_claim(*idx, "expanded_row_idx", 0, scales ? scales->shape[1] : 1)) {
+    r_claims.push_back(*w);
+  }
+  if (with_outputs && gs->ndim >= 1) {
+    if (auto w = witness_claim(*gs, "grad_scales", 0, 1)) r_claims.push_back(*w);
+  }
   const int64_t R = v.agree("token count R", r_claims);
   std::vector<Claim> h_claims{dim_claim(*gy, "grad_y", 1)};
   if (ex_used) h_claims.push_back(dim_claim(*ex_used, "expanded_x", -1));

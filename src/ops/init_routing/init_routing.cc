@@ -136,10 +136,15 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
   // Shapes: 561103.
   v.rank(*x, "x", 2);
   v.rank(*eidx, "expert_idx", 2);
-  const int64_t R = x->shape[0], H = x->shape[1];
+  const int64_t H = x->shape[1];
   const int64_t K = eidx->shape[1];
+  // The odd one out is named (L50); expanded_row_idx's R * K rows witness R.
+  std::vector<Claim> r_claims{dim_claim(*x, "x", 0), dim_claim(*eidx, "expert_idx", 0)};
+  if (with_outputs && idx->ndim == 1) {
+    if (auto w = witness_claim(*idx, "expanded_row_idx", 0, K)) r_claims.push_back(*w);
+  }
+  const int64_t R = v.agree("token count R", r_claims);
   v.check_shape(H >= 1, "x", "hidden size H (dim 1) must be >= 1; got ", H);
-  v.dim(*eidx, "expert_idx", 0, R, "x's token count R (dim 0)");
   v.check_shape(K >= 1, "expert_idx", "top-k K (dim 1) must be >= 1; got ", K);
   const int64_t N = mul_sat(R, K);
   v.check_shape(N <= kInt32Max, "expert_idx",
