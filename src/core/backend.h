@@ -25,8 +25,14 @@ struct NamedView {
 
 // The call's device is the first tensor's. Every other present tensor must have the same device
 // type and id (161002 naming the tensor that differs), and this build must serve the device
-// (161002, e.g. a CUDA tensor when moegrad was built without CUDA).
-Backend select_backend(const Validator& v, std::initializer_list<NamedView> tensors);
+// (161002, e.g. a CUDA tensor when moegrad was built without CUDA). The first n_inputs tensors
+// are inputs, the rest outputs: an output whose memory overlaps another tensor's is 161002
+// naming it (L232; kernels read inputs while they write, and the CUDA ones assume no alias),
+// except that the output named in_place_out may be exactly the view of the input named
+// in_place_in on the CPU, where that operator computes in place.
+Backend select_backend(const Validator& v, std::initializer_list<NamedView> tensors,
+                       size_t n_inputs, const char* in_place_out = nullptr,
+                       const char* in_place_in = nullptr);
 
 // One backend's entry in an operator's kernel table.
 //   size: stage one; reserves the backend's scratch in the layout and may fix plan fields the

@@ -163,8 +163,11 @@ class Validator {
     if (!ok) fail(shape_code_, arg, cat(rule...));
   }
 
-  // 161001 when a required tensor is null.
+  // 161001 when a required tensor is null; then geometry().
   void present(const TensorView* t, const char* arg) const;
+  // 161002 for a rank outside [0, kMaxDims] or a negative dim: a C++ caller's TensorView is
+  // checked before any rule reads its shape (aclCreateTensor refuses both in C).
+  void geometry(const TensorView& t, const char* arg) const;
   // 161002 unless the dtype is one of `allowed`.
   void dtype_in(const TensorView& t, const char* arg, std::initializer_list<DType> allowed) const;
   // 161002 unless t.dtype == other.dtype.

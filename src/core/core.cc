@@ -1,5 +1,8 @@
 // Error type, tensor views, validation helpers and threads shared by all operators.
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/backend.h"
@@ -17,17 +20,19 @@ Executor::~Executor() = default;
 
 int64_t TensorView::numel() const {
   // Saturates (a zero dim anywhere still gives 0): shapes from the C API are not trusted.
+  // A rank outside [0, kMaxDims] (refused by stage one) reads no memory past shape[].
+  const int nd = ndim < 0 ? 0 : ndim > kMaxDims ? kMaxDims : ndim;
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) {
+  for (int i = 0; i < nd; ++i) {
     if (shape[i] == 0) return 0;
   }
-  for (int i = 0; i < ndim; ++i) n = mul_sat(n, shape[i]);
+  for (int i = 0; i < nd; ++i) n = mul_sat(n, shape[i]);
   return n;
 }
 
 bool TensorView::is_contiguous() const {
   int64_t expect = 1;
-  for (int i = ndim - 1; i >= 0; --i) {
+  for (int i = (ndim > kMaxDims ? kMaxDims : ndim) - 1; i >= 0; --i) {
     // Strides of size-1 dims are irrelevant (PyTorch may report anything there).
     if (shape[i] != 1 && strides[i] != expect) return numel() == 0;
     expect = mul_sat(expect, shape[i]);
@@ -162,8 +167,20 @@ void Validator::fail(int32_t code, const char* arg, const std::string& rule) con
 }
 
 void Validator::present(const TensorView* t, const char* arg) const {
-  if (t == nullptr || (t->data == nullptr && t->numel() > 0)) {
+  if (t == nullptr) fail(kErrNullptr, arg, "required tensor must not be null; got null");
+  geometry(*t, arg);
+  if (t->data == nullptr && t->numel() > 0) {
     fail(kErrNullptr, arg, "required tensor must not be null; got null");
+  }
+}
+
+void Validator::geometry(const TensorView& t, const char* arg) const {
+  if (t.ndim < 0 || t.ndim > kMaxDims) {
+    fail(kErrParamInvalid, arg, cat("rank must be in [0, ", kMaxDims, "]; got ", t.ndim));
+  }
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) fail(kErrParamInvalid, arg, cat("dims must be >= 0; got ", t.shape[i],
+                                                        " at ", i, " of ", shape_str(t)));
   }
 }
 
@@ -255,7 +272,33 @@ std::string device_str(Device d, int32_t id) {
   }
 }
 
-Backend select_backend(const Validator& v, std::initializer_list<NamedView> tensors) {
+namespace {
+
+// The bytes [lo, hi) a view can touch (a bound for strided views); {0, 0} without elements.
+std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t) {
+  if (t.data == nullptr || t.numel() == 0) return {0, 0};
+  int64_t lo = 0, hi = 0;
+  for (int i = 0; i < t.ndim; ++i) {
+    const int64_t reach = mul_sat(t.shape[i] - 1, t.strides[i] < 0 ? -t.strides[i] : t.strides[i]);
+    if (t.strides[i] < 0) lo = add_sat(lo, -reach); else hi = add_sat(hi, reach);
+  }
+  const int64_t es = std::max<int64_t>(dtype_size(t.dtype), 1);
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  return {base + static_cast<uintptr_t>(lo * es), base + static_cast<uintptr_t>((hi + 1) * es)};
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.ndim != b.ndim || a.dtype != b.dtype) return false;
+  for (int i = 0; i < a.ndim; ++i) {
+    if (a.shape[i] != b.shape[i] || a.strides[i] != b.strides[i]) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Backend select_backend(const Validator& v, std::initializer_list<NamedView> tensors,
+                       size_t n_inputs, const char* in_place_out, const char* in_place_in) {
   const NamedView& first = *tensors.begin();
   const Device dev = first.view->device;
   const int32_t id = first.view->device_id;
@@ -277,11 +320,33 @@ Backend select_backend(const Validator& v, std::initializer_list<NamedView> tens
              cat("tensor must be on cpu or cuda; got ", device_str(dev, id)));
   }
   for (const NamedView& t : tensors) {
+    if (t.view != nullptr) v.geometry(*t.view, t.name);  // optional ones: first look here
     if (t.view == nullptr || t.view == first.view) continue;
     if (t.view->device != dev || (dev == Device::kCUDA && t.view->device_id != id)) {
       v.fail(kErrParamInvalid, t.name,
              cat("tensor must be on the device of ", first.name, " (", device_str(dev, id),
                  "); got ", device_str(t.view->device, t.view->device_id)));
+    }
+  }
+  const NamedView* list = tensors.begin();
+  const size_t n = tensors.size();
+  for (size_t o = n_inputs; o < n; ++o) {
+    if (list[o].view == nullptr) continue;
+    const auto [olo, ohi] = byte_span(*list[o].view);
+    for (size_t j = 0; j < o; ++j) {
+      if (list[j].view == nullptr) continue;
+      const auto [jlo, jhi] = byte_span(*list[j].view);
+      if (olo >= jhi || jlo >= ohi) continue;
+      if (in_place_out && backend == Backend::kCPU && std::strcmp(list[o].name, in_place_out) == 0 &&
+          std::strcmp(list[j].name, in_place_in) == 0 && same_view(*list[o].view, *list[j].view)) {
+        continue;
+      }
+      v.fail(kErrParamInvalid, list[o].name,
+             cat("output memory must not overlap ", list[j].name, "'s",
+                 in_place_out && std::strcmp(list[o].name, in_place_out) == 0
+                     ? cat(" (in place only as exactly ", in_place_in, "'s view, on the CPU)")
+                     : std::string(" (not computed in place)"),
+                 "; got overlapping memory"));
     }
   }
   return backend;

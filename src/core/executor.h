@@ -69,12 +69,18 @@ class PlanExecutor final : public Executor {
            void* stream) override {
     const InUse guard(this);
     auto views = plan_.output_views();
-    if (n != views.size() || (n > 0 && outs == nullptr)) {
+    if (n != views.size()) {
       throw Error(kErrParamInvalid,
                   cat(plan_.op, ": outputs: must be ", views.size(), " tensors; got ", n));
     }
+    if (n > 0 && outs == nullptr) {
+      throw Error(kErrNullptr, cat(plan_.op, ": outputs: must not be null; got null"));
+    }
     check_workspace(plan_.op, plan_.workspace_bytes, workspace, bytes);
-    for (size_t i = 0; i < n; ++i) bind_output(plan_, i, outs[i], *views[i]);
+    // All outputs are checked before any is bound: a refused call leaves the plan as it was.
+    std::vector<TensorView> bound(n);
+    for (size_t i = 0; i < n; ++i) bind_output(plan_, i, outs[i], bound[i]);
+    for (size_t i = 0; i < n; ++i) *views[i] = bound[i];
     plan_.bound = true;
     run_(plan_, Workspace(workspace), stream);
   }

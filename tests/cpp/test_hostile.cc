@@ -3,6 +3,10 @@
 // and dtype messages that name the dtype seen once.
 #include <cstdint>
 #include <limits>
+#include <tuple>
+#include <utility>
+
+#include <moegrad/moegrad.h>
 
 #include "test_util.h"
 
@@ -378,3 +382,153 @@ TEST(DtypeMessages, NameTheDtypeSeenAndTheAcceptedOnesOnce) {
 }
 
 }  // namespace
+
+// ---- the C++ API takes TensorViews as given (L232) ----
+namespace {
+
+// The Error a C++ call throws (code and message), or {0, ""}.
+template <typename F>
+std::pair<int32_t, std::string> cpp_error(F&& f) {
+  try {
+    f();
+  } catch (const moegrad::Error& e) {
+    return {e.code(), e.what()};
+  }
+  return {0, ""};
+}
+
+}  // namespace
+
+// A rank outside [0, 16] or a negative dim is refused (161002, naming the view) before any rule
+// reads the shape: a rank of 2^24 read far past shape[] and crashed; negative dims planned
+// negative output shapes.
+TEST(CppApi, ViewsWithABadRankOrNegativeDimsAreRefusedByName) {
+  std::vector<float> xb(8 * 16, 0.5f), yb(8 * 8), wb(8, 1.0f);
+  for (int32_t nd : {17, 1 << 24, -1}) {
+    for (bool on_weight : {false, true}) {
+      auto x = moegrad::TensorView::contiguous(xb.data(), moegrad::DType::kFloat32, {8, 16});
+      auto w = moegrad::TensorView::contiguous(wb.data(), moegrad::DType::kFloat32, {8});
+      auto y = moegrad::TensorView::contiguous(yb.data(), moegrad::DType::kFloat32, {8, 8});
+      (on_weight ? w : x).ndim = nd;
+      auto [code, msg] = cpp_error([&] { moegrad::prepare_swiglu_group(&x, &w, nullptr, {}); });
+      EXPECT_EQ(code, ACLNN_ERR_PARAM_INVALID) << nd << ": " << msg;
+      const std::string arg = on_weight ? "weight" : "x";
+      EXPECT_EQ(msg.rfind("swiglu_group: " + arg + ": rank must be in [0, 16]", 0), 0u) << msg;
+      std::tie(code, msg) = cpp_error([&] { moegrad::plan_swiglu_group(&x, &w, nullptr, {}, &y); });
+      EXPECT_EQ(code, ACLNN_ERR_PARAM_INVALID) << msg;
+    }
+  }
+  std::vector<int32_t> eb(16);
+  auto x = moegrad::TensorView::contiguous(xb.data(), moegrad::DType::kFloat32, {8, 16});
+  auto e = moegrad::TensorView::contiguous(eb.data(), moegrad::DType::kInt32, {8, 2});
+  x.shape[0] = e.shape[0] = -1000000;
+  moegrad::InitRoutingAttrs at;
+  at.expert_num = 4;
+  auto [code, msg] = cpp_error([&] { moegrad::prepare_moe_init_routing(&x, &e, at); });
+  EXPECT_EQ(code, ACLNN_ERR_PARAM_INVALID) << msg;
+  EXPECT_EQ(msg.rfind("moe_init_routing: x: dims must be >= 0; got -1000000", 0), 0u) << msg;
+}
+
+// A bind-and-run call refused at its third output binds none: the next plain run writes the
+// planned outputs, not the refused call's first one.
+TEST(CppApi, ARefusedBindLeavesThePlanAsItWas) {
+  std::vector<float> xb(8 * 16), y1(8 * 4, -7.f), y2(8 * 4, -7.f), nb(8 * 16), bad(8 * 17);
+  std::vector<int32_t> eb(8 * 4);
+  for (size_t i = 0; i < xb.size(); ++i) xb[i] = static_cast<float>((i * 37) % 23) - 11.f;
+  using moegrad::DType;
+  auto x = moegrad::TensorView::contiguous(xb.data(), DType::kFloat32, {8, 16});
+  auto y = moegrad::TensorView::contiguous(y1.data(), DType::kFloat32, {8, 4});
+  auto yo = moegrad::TensorView::contiguous(y2.data(), DType::kFloat32, {8, 4});
+  auto ei = moegrad::TensorView::contiguous(eb.data(), DType::kInt32, {8, 4});
+  auto no = moegrad::TensorView::contiguous(nb.data(), DType::kFloat32, {8, 16});
+  auto nbad = moegrad::TensorView::contiguous(bad.data(), DType::kFloat32, {8, 17});
+  moegrad::GatingTopKAttrs at;
+  at.k = 4;
+  auto ex = moegrad::plan_moe_gating_top_k(&x, nullptr, at, &y, &ei, &no);
+  std::vector<unsigned char> ws(ex->workspace_size() + 1);
+  const moegrad::TensorView* outs[] = {&yo, &ei, &nbad};
+  auto [code, msg] = cpp_error([&] { ex->run(outs, 3, ws.data(), ws.size(), nullptr); });
+  EXPECT_EQ(code, ACLNN_ERR_INNER_TILING_ERROR) << msg;
+  EXPECT_TRUE(has_word(msg, "norm_out")) << msg;
+  std::tie(code, msg) = cpp_error([&] { ex->run(nullptr, 3, ws.data(), ws.size(), nullptr); });
+  EXPECT_EQ(code, ACLNN_ERR_PARAM_NULLPTR) << msg;
+  moegrad::run_now(*ex);
+  for (float v : y2) EXPECT_EQ(v, -7.f) << "the refused call's output was bound";
+  bool written = false;
+  for (float v : y1) written |= v != -7.f;
+  EXPECT_TRUE(written) << "the planned output was not written";
+}
+
+// Null tensors are reported before dtypes (§0.3): a missing padded_offsets with a float64 x.
+TEST(CppApi, ANullRequiredOutputIsReportedBeforeADtype) {
+  std::vector<double> xb(3 * 2);
+  std::vector<int32_t> eb = {0, 1, 2, 3, 0, 1}, ib(6);
+  std::vector<float> exb(64);
+  using moegrad::DType;
+  auto x = moegrad::TensorView::contiguous(xb.data(), static_cast<DType>(11) /* float64 */, {3, 2});
+  auto e = moegrad::TensorView::contiguous(eb.data(), DType::kInt32, {3, 2});
+  auto ex = moegrad::TensorView::contiguous(exb.data(), DType::kFloat32, {22, 2});
+  auto idx = moegrad::TensorView::contiguous(ib.data(), DType::kInt32, {6});
+  moegrad::InitRoutingAttrs at;
+  at.expert_num = 4;
+  at.align_block = 4;
+  auto [code, msg] = cpp_error([&] {
+    moegrad::plan_moe_init_routing(&x, &e, at, &ex, &idx, nullptr, nullptr);
+  });
+  EXPECT_EQ(code, ACLNN_ERR_PARAM_NULLPTR) << msg;
+  EXPECT_EQ(msg.rfind("moe_init_routing: padded_offsets:", 0), 0u) << msg;
+}
+
+// An output whose memory overlaps an input or another output is refused (161002 naming the
+// output, nothing written); the one in-place form, swiglu grad's grad_x exactly over x on the
+// CPU (L228), computes what a separate grad_x gets.
+TEST(CppApi, OverlappingOutputsAreRefusedExceptTheDocumentedInPlace) {
+  using moegrad::DType;
+  std::vector<float> buf(8 * 16 + 8 * 8);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>((i * 29) % 17) / 8.f - 1.f;
+  const std::vector<float> before = buf;
+  auto x = moegrad::TensorView::contiguous(buf.data(), DType::kFloat32, {8, 16});
+  // y over the second half of x's rows: overlaps x
+  auto y = moegrad::TensorView::contiguous(buf.data() + 4 * 16, DType::kFloat32, {8, 8});
+  auto [code, msg] = cpp_error([&] { moegrad::plan_swiglu_group(&x, nullptr, nullptr, {}, &y); });
+  EXPECT_EQ(code, ACLNN_ERR_PARAM_INVALID) << msg;
+  EXPECT_EQ(msg.rfind("swiglu_group: y: output memory must not overlap x's", 0), 0u) << msg;
+  // just past x: accepted
+  auto y_ok = moegrad::TensorView::contiguous(buf.data() + 8 * 16, DType::kFloat32, {8, 8});
+  moegrad::run_now(*moegrad::plan_swiglu_group(&x, nullptr, nullptr, {}, &y_ok));
+
+  // swiglu grad: grad_x exactly over x equals a separate grad_x; shifted by one row, refused
+  std::vector<float> xs(before.begin(), before.begin() + 8 * 16), gy(8 * 8), sep(8 * 16);
+  for (size_t i = 0; i < gy.size(); ++i) gy[i] = static_cast<float>((i * 13) % 7) / 4.f - 0.8f;
+  auto vx = moegrad::TensorView::contiguous(xs.data(), DType::kFloat32, {8, 16});
+  auto vgy = moegrad::TensorView::contiguous(gy.data(), DType::kFloat32, {8, 8});
+  auto vsep = moegrad::TensorView::contiguous(sep.data(), DType::kFloat32, {8, 16});
+  moegrad::run_now(*moegrad::plan_swiglu_group_quant_grad(&vgy, &vx, nullptr, nullptr, nullptr,
+                                                          {}, &vsep, nullptr));
+  std::vector<float> xs2(xs.size() + 16);
+  std::copy(xs.begin(), xs.end(), xs2.begin());
+  auto vshift = moegrad::TensorView::contiguous(xs2.data() + 16, DType::kFloat32, {8, 16});
+  auto vx2 = moegrad::TensorView::contiguous(xs2.data(), DType::kFloat32, {8, 16});
+  std::tie(code, msg) = cpp_error([&] {
+    moegrad::plan_swiglu_group_quant_grad(&vgy, &vx2, nullptr, nullptr, nullptr, {}, &vshift,
+                                          nullptr);
+  });
+  EXPECT_EQ(code, ACLNN_ERR_PARAM_INVALID) << msg;
+  EXPECT_EQ(msg.rfind("swiglu_group_quant_backward: grad_x: output memory must not overlap x's", 0), 0u) << msg;
+  moegrad::run_now(*moegrad::plan_swiglu_group_quant_grad(&vgy, &vx, nullptr, nullptr, nullptr,
+                                                          {}, &vx, nullptr));
+  EXPECT_EQ(0, std::memcmp(xs.data(), sep.data(), sep.size() * sizeof(float)));
+
+  // two outputs sharing memory: the later one is named
+  std::vector<float> lg(8 * 16, 0.25f), shared(8 * 16);
+  std::vector<int32_t> ids(8 * 4);
+  auto vl = moegrad::TensorView::contiguous(lg.data(), DType::kFloat32, {8, 16});
+  auto vy = moegrad::TensorView::contiguous(shared.data(), DType::kFloat32, {8, 4});
+  auto vi = moegrad::TensorView::contiguous(ids.data(), DType::kInt32, {8, 4});
+  auto vn = moegrad::TensorView::contiguous(shared.data(), DType::kFloat32, {8, 16});
+  moegrad::GatingTopKAttrs at;
+  at.k = 4;
+  std::tie(code, msg) = cpp_error([&] { moegrad::plan_moe_gating_top_k(&vl, nullptr, at, &vy, &vi, &vn); });
+  EXPECT_EQ(code, ACLNN_ERR_PARAM_INVALID) << msg;
+  EXPECT_EQ(msg.rfind("moe_gating_top_k: norm_out: output memory must not overlap y's", 0), 0u) << msg;
+}

@@ -205,3 +205,35 @@ def test_fake_kernels_raise_the_native_rank_error(call):
         with pytest.raises(moegrad.MoeError) as fake:
             call(mode.from_tensor(_X1), mode.from_tensor(_I1))
     assert (fake.value.code, str(fake.value)) == (real.value.code, str(real.value))
+
+
+def test_raw_front_refuses_outputs_overlapping_inputs(rng):
+    """moegrad._C with caller outputs (L232): an output over an input's memory, or grad_y used
+    as grad_expanded_x, is MoeError 161002 naming the output, and nothing is written; grad_x
+    exactly over x (the documented in-place swiglu gradient, L228) equals a separate grad_x."""
+    from moegrad import _C
+    x = torch.randn(64, 64)
+    xa = x.clone()
+    with pytest.raises(moegrad.MoeError, match=r"swiglu_group: y: output memory must not "
+                                               r"overlap x's") as e:
+        _C.swiglu_group(xa, None, None, -1.0, xa.view(-1)[64 * 32:].view(64, 32))
+    assert e.value.code == 161002 and torch.equal(xa, x)
+    gy, idx = torch.randn(8, 4), torch.randperm(8, dtype=torch.int32)
+    gy0, gs = gy.clone(), torch.full((8, 1), 7.0)
+    with pytest.raises(moegrad.MoeError, match=r"grad_expanded_x: output memory must not "
+                                               r"overlap grad_y's"):
+        _C.moe_finalize_routing_grad(gy, idx, None, None, None, None, 0, 0, 0, 0, gy, gs)
+    assert torch.equal(gs, torch.full((8, 1), 7.0)) and torch.equal(gy, gy0)
+    g = torch.randn(64, 32)
+    sep = moegrad.swiglu_group_quant_backward(g, x)[0]
+    _C.swiglu_group_quant_backward(g, xa, None, None, None, -1.0, xa, None)
+    assert torch.equal(xa, sep)
+
+
+def test_raw_front_names_a_tensor_of_too_high_rank():
+    from moegrad import _C
+    x = torch.zeros([1] * 17)
+    with pytest.raises(moegrad.MoeError, match=r"^swiglu_group: x: rank must be in \[0, 16\]; "
+                                               r"got 17") as e:
+        _C.swiglu_group(x, None, None, -1.0, torch.zeros([1] * 16 + [0]))
+    assert e.value.code == 161002

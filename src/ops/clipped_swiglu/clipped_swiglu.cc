@@ -85,7 +85,7 @@ ClippedSwigluPlan validate_clipped_swiglu(const TensorView* x, const TensorView*
   v.dtype_in(*x, "x", kFloatTypes);
   if (group_index) v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
   if (with_outputs) v.same_dtype(*y, "y", x->dtype, "x's dtype");
-  p.backend = select_backend(v, {{"x", x}, {"group_index", group_index}, {"y", y}});
+  p.backend = select_backend(v, {{"x", x}, {"group_index", group_index}, {"y", y}}, 2);
   v.contiguous(*x, "x");
   if (group_index) v.contiguous(*group_index, "group_index");
   if (with_outputs) v.contiguous(*y, "y");
@@ -118,7 +118,7 @@ ClippedSwigluGradPlan validate_clipped_swiglu_grad(const TensorView* gy, const T
   if (group_index) v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
   if (with_outputs) v.same_dtype(*gx, "grad_x", x->dtype, "x's dtype");
   p.backend = select_backend(
-      v, {{"x", x}, {"grad_y", gy}, {"group_index", group_index}, {"grad_x", gx}});
+      v, {{"x", x}, {"grad_y", gy}, {"group_index", group_index}, {"grad_x", gx}}, 3);
   v.contiguous(*gy, "grad_y");
   v.contiguous(*x, "x");
   if (group_index) v.contiguous(*group_index, "group_index");

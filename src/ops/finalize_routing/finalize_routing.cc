@@ -48,7 +48,7 @@ FinalizeRoutingPlan validate_finalize_routing(const TensorView* ex, const Tensor
   if (with_outputs) v.same_dtype(*out, "out", ex->dtype, "expanded_x's dtype");
   p.backend = select_backend(v, {{"expanded_x", ex}, {"expanded_row_idx", idx}, {"x1", x1},
                                  {"x2", x2}, {"bias", bias}, {"scales", scales},
-                                 {"expert_idx", eidx}, {"out", out}});
+                                 {"expert_idx", eidx}, {"out", out}}, 7);
   v.contiguous(*ex, "expanded_x");
   v.contiguous(*idx, "expanded_row_idx");
   optional_layout(v, x1, "x1");
@@ -202,7 +202,7 @@ FinalizeRoutingGradPlan validate_finalize_routing_grad(
   p.backend = select_backend(v, {{"grad_y", gy}, {"expanded_row_idx", idx},
                                  {"expanded_x", ex_used}, {"scales", scales},
                                  {"expert_idx", eidx_used}, {"bias", bias_used},
-                                 {"grad_expanded_x", gex}, {"grad_scales", gs}});
+                                 {"grad_expanded_x", gex}, {"grad_scales", gs}}, 6);
   v.contiguous(*gy, "grad_y");
   v.contiguous(*idx, "expanded_row_idx");
   optional_layout(v, ex_used, "expanded_x");
@@ -371,7 +371,7 @@ FinalizeRoutingBiasGradPlan validate_finalize_routing_bias_grad(
   if (scales) v.dtype_in(*scales, "scales", kFloatTypes);
   if (with_outputs) v.same_dtype(*gb, "grad_bias", gy->dtype, "grad_y's dtype");
   p.backend = select_backend(v, {{"grad_y", gy}, {"expert_idx", eidx}, {"scales", scales},
-                                 {"grad_bias", gb}});
+                                 {"grad_bias", gb}}, 3);
   v.contiguous(*gy, "grad_y");
   v.contiguous(*eidx, "expert_idx");
   optional_layout(v, scales, "scales");

@@ -66,7 +66,7 @@ GatingTopKPlan validate_gating_top_k(const TensorView* x, const TensorView* bias
     v.same_dtype(*norm_out, "norm_out", DType::kFloat32, "float32");
   }
   p.backend = select_backend(v, {{"x", x}, {"bias", bias}, {"y", y}, {"expert_idx", expert_idx},
-                                 {"norm_out", norm_out}});
+                                 {"norm_out", norm_out}}, 2);
   v.contiguous(*x, "x");
   if (bias) v.contiguous(*bias, "bias");
   if (with_outputs) {
@@ -150,7 +150,7 @@ GatingTopKBackwardPlan validate_gating_top_k_backward(const TensorView* x_norm,
   v.index_dtype(*expert_idx, "expert_idx");
   if (with_outputs) v.same_dtype(*grad_x, "grad_x", grad_y->dtype, "grad_y's dtype");
   p.backend = select_backend(v, {{"x_norm", x_norm}, {"grad_y", grad_y},
-                                 {"expert_idx", expert_idx}, {"grad_x", grad_x}});
+                                 {"expert_idx", expert_idx}, {"grad_x", grad_x}}, 3);
   v.contiguous(*x_norm, "x_norm");
   v.contiguous(*grad_y, "grad_y");
   v.contiguous(*expert_idx, "expert_idx");
@@ -222,7 +222,7 @@ GatingReplayPlan validate_gating_replay(const TensorView* x, const TensorView* e
     v.same_dtype(*norm_out, "norm_out", DType::kFloat32, "float32");
   }
   p.backend = select_backend(v, {{"x", x}, {"expert_idx", expert_idx}, {"bias", bias},
-                                 {"y", y}, {"norm_out", norm_out}});
+                                 {"y", y}, {"norm_out", norm_out}}, 3);
   v.contiguous(*x, "x");
   v.contiguous(*expert_idx, "expert_idx");
   if (bias) v.contiguous(*bias, "bias");

@@ -46,12 +46,12 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
     v.present(idx, "expanded_row_idx");
     if (a.expert_tokens_num_flag) v.present(tokens, "expert_tokens_count_or_cumsum");
   }
+  const bool aligned = a.align_block > 1;
+  if (with_outputs && aligned) v.present(offsets, "padded_offsets");  // null tensors first
   // Dtypes, device and layouts: 161002.
   v.dtype_in(*x, "x", kFloatTypes);
   v.index_dtype(*eidx, "expert_idx");
   const TensorView* tok = a.expert_tokens_num_flag ? tokens : nullptr;
-  const bool aligned = a.align_block > 1;
-  if (with_outputs && aligned) v.present(offsets, "padded_offsets");
   const TensorView* off = aligned && with_outputs ? offsets : nullptr;
   if (with_outputs) {
     v.same_dtype(*ex, "expanded_x", x->dtype, "x's dtype");
@@ -63,7 +63,7 @@ InitRoutingPlan validate_init_routing(const TensorView* x, const TensorView* eid
                                  {"expanded_x", with_outputs ? ex : nullptr},
                                  {"expanded_row_idx", with_outputs ? idx : nullptr},
                                  {"expert_tokens_count_or_cumsum", tok},
-                                 {"padded_offsets", off}});
+                                 {"padded_offsets", off}}, 2);
   v.contiguous(*x, "x");
   v.contiguous(*eidx, "expert_idx");
   if (with_outputs) {
@@ -259,7 +259,7 @@ InitRoutingGradPlan validate_init_routing_grad(const TensorView* gex, const Tens
   v.index_dtype(*idx, "expanded_row_idx");
   if (with_outputs) v.same_dtype(*gx, "grad_x", gex->dtype, "grad_expanded_x's dtype");
   p.backend = select_backend(v, {{"grad_expanded_x", gex}, {"expanded_row_idx", idx},
-                                 {"grad_x", with_outputs ? gx : nullptr}});
+                                 {"grad_x", with_outputs ? gx : nullptr}}, 2);
   v.contiguous(*gex, "grad_expanded_x");
   v.contiguous(*idx, "expanded_row_idx");
   if (with_outputs) v.contiguous(*gx, "grad_x");

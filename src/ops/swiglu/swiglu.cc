@@ -80,7 +80,7 @@ SwigluPlan validate_swiglu(const TensorView* x, const TensorView* weight,
   if (group_index) v.same_dtype(*group_index, "group_index", DType::kInt64, "int64");
   if (with_outputs) v.same_dtype(*y, "y", x->dtype, "x's dtype");
   p.backend = select_backend(
-      v, {{"x", x}, {"weight", weight}, {"group_index", group_index}, {"y", y}});
+      v, {{"x", x}, {"weight", weight}, {"group_index", group_index}, {"y", y}}, 3);
   v.contiguous(*x, "x");
   if (weight) v.contiguous(*weight, "weight");
   if (group_index) v.contiguous(*group_index, "group_index");
@@ -133,7 +133,7 @@ SwigluGradPlan validate_swiglu_grad(const TensorView* gy, const TensorView* x,
   }
   p.backend = select_backend(v, {{"x", x}, {"grad_y", gy}, {"weight", weight},
                                  {"y_origin", yo}, {"group_index", group_index},
-                                 {"grad_x", gx}, {"grad_weight", gw}});
+                                 {"grad_x", gx}, {"grad_weight", gw}}, 5, "grad_x", "x");
   v.contiguous(*gy, "grad_y");
   v.contiguous(*x, "x");
   if (weight) v.contiguous(*weight, "weight");
@@ -295,7 +295,7 @@ SwigluQuantPlan validate_swiglu_quant(const TensorView* x, const TensorView* wei
                                  {"group_index", group_index},
                                  {"y", y},
                                  {"y_scale", y_scale},
-                                 {"y_origin", yo_used}});
+                                 {"y_origin", yo_used}}, 3);
   v.contiguous(*x, "x");
   if (weight) v.contiguous(*weight, "weight");
   if (group_index) v.contiguous(*group_index, "group_index");
