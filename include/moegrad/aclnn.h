@@ -24,7 +24,9 @@
  * Status codes (docs/decisions.md D18): 161001 null required tensor, 161002 dtype / format /
  * value invalid, 561002 gating-forward and SwiGLU shape or attribute error, 561103 finalize
  * routing shape or value error, 561000 internal error (e.g. out of memory).
- * Tensors must be contiguous (D19). All calls are thread-safe; the error message is per thread.
+ * Tensors must be contiguous (D19), and an output must not overlap an input or another output
+ * (161002 naming it; the one in-place form is swiglu grad's gradXOut exactly over x on the CPU,
+ * docs/decisions.md L232). All calls are thread-safe; the error message is per thread.
  * An executor shared across threads gives a status, never undefined behaviour: a one-shot
  * executor runs (or is destroyed) exactly once, and a second stage-two run of a repeatable
  * executor, or its destruction, while another thread is running it returns
