@@ -111,8 +111,9 @@ typedef struct aclIntArray aclIntArray;
  * the pointer). viewDims/stride describe the view in elements; offset is in elements from
  * tensorData. format must be ND (NCHW/NHWC/NCDHW/NDHWC are read as ND): stage one refuses a
  * tensor in any other format (FRACTAL_NZ, ...) with ACLNN_ERR_PARAM_INVALID naming it.
- * storageDims are accepted and not used: the view describes the data. Returns NULL on invalid arguments (reason in
- * aclGetRecentErrMsg()). Up to 16 dims here; each operator checks its own rank rule. */
+ * storageDims are accepted and not used: the view describes the data. Returns NULL on invalid
+ * arguments (reason in aclGetRecentErrMsg()). Up to 16 dims here; each operator checks its own
+ * rank rule. */
 MOEGRAD_C_API aclTensor* aclCreateTensor(const int64_t* viewDims, uint64_t viewDimsNum,
                                          aclDataType dataType, const int64_t* stride,
                                          int64_t offset, aclFormat format,

@@ -77,7 +77,7 @@ struct MOEGRAD_API TensorView {
   Device device = Device::kCPU;
   int32_t device_id = 0;
   // The aclFormat a C API caller gave (ND = 2; the C++ and Python fronts leave it). Stage one
-  // refuses, with 161002, any format it does not read as ND (docs/operators.md §0).
+  // refuses, with 161002, any format it does not read as ND (docs/operators.md §0.5).
   int32_t format = 2;
 
   int64_t numel() const;

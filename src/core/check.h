@@ -165,8 +165,9 @@ class Validator {
 
   // 161001 when a required tensor is null; then geometry().
   void present(const TensorView* t, const char* arg) const;
-  // 161002 for a rank outside [0, kMaxDims] or a negative dim: a C++ caller's TensorView is
-  // checked before any rule reads its shape (aclCreateTensor refuses both in C).
+  // 161002 for a rank outside [0, kMaxDims] or a negative dim (aclCreateTensor refuses both in
+  // C): present() runs it on required tensors, select_backend on the optional ones too, before
+  // any rule reads a shape.
   void geometry(const TensorView& t, const char* arg) const;
   // 161002 unless the dtype is one of `allowed`.
   void dtype_in(const TensorView& t, const char* arg, std::initializer_list<DType> allowed) const;

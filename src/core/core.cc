@@ -168,7 +168,7 @@ void Validator::fail(int32_t code, const char* arg, const std::string& rule) con
 
 void Validator::present(const TensorView* t, const char* arg) const {
   if (t == nullptr) fail(kErrNullptr, arg, "required tensor must not be null; got null");
-  geometry(*t, arg);
+  geometry(*t, arg);  // before numel(): a rank above kMaxDims has no meaningful element count
   if (t->data == nullptr && t->numel() > 0) {
     fail(kErrNullptr, arg, "required tensor must not be null; got null");
   }
@@ -333,17 +333,18 @@ Backend select_backend(const Validator& v, std::initializer_list<NamedView> tens
   for (size_t o = n_inputs; o < n; ++o) {
     if (list[o].view == nullptr) continue;
     const auto [olo, ohi] = byte_span(*list[o].view);
+    const bool may_be_in_place = in_place_out && std::strcmp(list[o].name, in_place_out) == 0;
     for (size_t j = 0; j < o; ++j) {
       if (list[j].view == nullptr) continue;
       const auto [jlo, jhi] = byte_span(*list[j].view);
       if (olo >= jhi || jlo >= ohi) continue;
-      if (in_place_out && backend == Backend::kCPU && std::strcmp(list[o].name, in_place_out) == 0 &&
+      if (may_be_in_place && backend == Backend::kCPU &&
           std::strcmp(list[j].name, in_place_in) == 0 && same_view(*list[o].view, *list[j].view)) {
         continue;
       }
       v.fail(kErrParamInvalid, list[o].name,
              cat("output memory must not overlap ", list[j].name, "'s",
-                 in_place_out && std::strcmp(list[o].name, in_place_out) == 0
+                 may_be_in_place
                      ? cat(" (in place only as exactly ", in_place_in, "'s view, on the CPU)")
                      : std::string(" (not computed in place)"),
                  "; got overlapping memory"));

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <atomic>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -78,7 +79,7 @@ class PlanExecutor final : public Executor {
     }
     check_workspace(plan_.op, plan_.workspace_bytes, workspace, bytes);
     // All outputs are checked before any is bound: a refused call leaves the plan as it was.
-    std::vector<TensorView> bound(n);
+    std::array<TensorView, std::tuple_size_v<decltype(views)>> bound;  // no allocation per call
     for (size_t i = 0; i < n; ++i) bind_output(plan_, i, outs[i], bound[i]);
     for (size_t i = 0; i < n; ++i) *views[i] = bound[i];
     plan_.bound = true;
